@@ -1,0 +1,17 @@
+"""Flax NNX models written as sequences of blocks, and a splitter into stages."""
+
+from stalepipe.models.mlp import mlp
+from stalepipe.models.staging import Staged, even_boundaries, split, unpipelined
+
+_REGISTRY = {"mlp": mlp}
+
+
+def names() -> tuple[str, ...]:
+  return tuple(_REGISTRY)
+
+
+def make(name: str, **kwargs):
+  """Builds the blocks of the model registered under `name`."""
+  if name not in _REGISTRY:
+    raise ValueError(f"unknown model {name!r}; valid: {', '.join(names())}")
+  return _REGISTRY[name](**kwargs)

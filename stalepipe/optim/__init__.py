@@ -1,0 +1,1 @@
+"""stalepipe.optim: filled by its own issue; empty for now."""

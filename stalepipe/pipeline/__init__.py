@@ -1,0 +1,1 @@
+"""Pipeline executors: the sequential oracle and the shard_map executor."""

@@ -1,0 +1,1 @@
+"""stalepipe.plan: filled by its own issue; empty for now."""

@@ -1,0 +1,46 @@
+"""Pipeline schedules as data (DESIGN.md, "schedules as data").
+
+Examples:
+  >>> import stalepipe as sp
+  >>> s = sp.schedules.make("gpipe", num_stages=4, num_microbatches=4)
+  >>> s.tasks[0]
+  Task(tick=0, stage=0, kind='F', minibatch=0, microbatch=0)
+"""
+
+from stalepipe.schedules.core import KINDS, Schedule, Task
+from stalepipe.schedules.gpipe import gpipe
+
+_REGISTRY = {
+    "gpipe": gpipe,
+}
+
+
+def names() -> tuple[str, ...]:
+  """The names `make` accepts."""
+  return tuple(_REGISTRY)
+
+
+def make(name: str, *, num_stages: int, num_microbatches: int,
+         num_minibatches: int = 1, **kwargs) -> Schedule:
+  """Builds the schedule registered under `name`.
+
+  Args:
+    name: one of `names()`.
+    num_stages: S, pipeline stages (at least 1).
+    num_microbatches: M, micro-batches per minibatch (at least 1).
+    num_minibatches: B, minibatches in the table (at least 1).
+    **kwargs: schedule-specific options (e.g. `concurrent_minibatches`).
+
+  Returns:
+    The schedule.
+  """
+  if name not in _REGISTRY:
+    raise ValueError(f"unknown schedule {name!r}; valid: {', '.join(names())}")
+  for arg, value in (("num_stages", num_stages),
+                     ("num_microbatches", num_microbatches),
+                     ("num_minibatches", num_minibatches)):
+    if not isinstance(value, int) or value < 1:
+      raise ValueError(f"{arg}={value!r} is invalid; it must be an integer >= 1")
+  return _REGISTRY[name](num_stages=num_stages,
+                         num_microbatches=num_microbatches,
+                         num_minibatches=num_minibatches, **kwargs)

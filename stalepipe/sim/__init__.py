@@ -1,0 +1,1 @@
+"""stalepipe.sim: filled by its own issue; empty for now."""

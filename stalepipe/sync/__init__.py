@@ -1,0 +1,1 @@
+"""stalepipe.sync: filled by its own issue; empty for now."""

@@ -1,0 +1,1 @@
+"""Turning a config into a run."""
