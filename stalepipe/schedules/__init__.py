@@ -9,6 +9,7 @@ Examples:
 
 from stalepipe.schedules.core import KINDS, Schedule, Task
 from stalepipe.schedules.gpipe import gpipe
+from stalepipe.schedules.render import TimelineEvent, chrome_trace, gantt_png, schedule_events
 
 _REGISTRY = {
     "gpipe": gpipe,
