@@ -1,8 +1,28 @@
-"""Closed forms from the source papers that the schedules are tested against."""
+"""Closed forms from the source papers that the schedules are tested against.
+
+Each function states the formula and the section it comes from; the tests in
+`tests/theory_test.py` and `tests/schedules_test.py` compare them with the
+figures the schedules measure.
+
+Examples:
+  >>> gpipe_bubble(4, 4), wsp_global_staleness(0, 3)
+  (0.42857142857142855, 6)
+  >>> timeprest_version_difference(4, 2), timeprest_single_sequence(4, 4)
+  (2, True)
+"""
+
+import math
+
+
+def _check(**values: int) -> None:
+  for name, value in values.items():
+    if not isinstance(value, int) or value < 0:
+      raise ValueError(f"{name}={value!r} is invalid; it must be an integer "
+                       ">= 0")
 
 
 def gpipe_bubble(num_stages: int, num_microbatches: int) -> float:
-  r"""GPipe's bubble fraction: idle slots over all slots.
+  r"""GPipe's bubble fraction: idle slots over all slots (also 1F1B's).
 
   .. math:: \frac{S - 1}{M + S - 1}
 
@@ -11,3 +31,165 @@ def gpipe_bubble(num_stages: int, num_microbatches: int) -> float:
     Pipeline Parallelism <https://arxiv.org/abs/1811.06965>, 2019
   """
   return (num_stages - 1) / (num_microbatches + num_stages - 1)
+
+
+def wsp_local_staleness(concurrent_minibatches: int) -> int:
+  r"""HetPipe's local staleness threshold (seed 001 §4).
+
+  .. math:: s_{local} = N_m - 1
+
+  Examples:
+    >>> wsp_local_staleness(4)
+    3
+
+  References:
+    Park et al, HetPipe <https://arxiv.org/abs/2005.14038>, 2020 (§4)
+  """
+  _check(concurrent_minibatches=concurrent_minibatches)
+  return concurrent_minibatches - 1
+
+
+def wsp_global_staleness(clock_distance: int, s_local: int) -> int:
+  r"""WSP's global staleness bound (seed 001 §5).
+
+  .. math:: s_{global} = (D + 1)(s_{local} + 1) + s_{local} - 1
+
+  Examples:
+    >>> wsp_global_staleness(clock_distance=0, s_local=3)  # seed 001 Fig. 3
+    6
+
+  References:
+    Park et al, HetPipe <https://arxiv.org/abs/2005.14038>, 2020 (§5)
+  """
+  _check(clock_distance=clock_distance, s_local=s_local)
+  return (clock_distance + 1) * (s_local + 1) + s_local - 1
+
+
+def hetpipe_version(minibatch: int, concurrent_minibatches: int) -> int:
+  r"""The :math:`w_{local}` version minibatch :math:`p` reads (seed 001 §4).
+
+  It holds the updates of minibatches :math:`0..p - N_m`:
+
+  .. math:: \max(0, p - N_m + 1)
+
+  Examples:
+    >>> [hetpipe_version(p, 4) for p in range(7)]
+    [0, 0, 0, 0, 1, 2, 3]
+  """
+  _check(minibatch=minibatch, concurrent_minibatches=concurrent_minibatches)
+  return max(0, minibatch - concurrent_minibatches + 1)
+
+
+def timeprest_version_difference(num_stages: int,
+                                 num_microbatches: int) -> int:
+  r"""TiMePReSt's version difference :math:`v`, the paper's closed form.
+
+  .. math:: v = \left\lfloor \frac{W + N - 2}{N} \right\rfloor
+
+  Seed 003 §4.4, eq. 25, derived from its Figures 7, 9 and 10 with the
+  assumption :math:`x \sim 1/N` (eq. 18). The schedule's measured value is
+  :func:`timeprest_steady_version_difference`; the two agree on every
+  configuration the paper draws and on :math:`v = 1 \iff W \le N + 1`, and
+  differ elsewhere (e.g. :math:`W = 6, N = 2`).
+
+  Examples:
+    >>> timeprest_version_difference(4, 2), timeprest_version_difference(5, 3)
+    (2, 2)
+
+  References:
+    Dutta et al, TiMePReSt <https://arxiv.org/abs/2410.14312>, 2024 (§4.4)
+  """
+  _check(num_stages=num_stages, num_microbatches=num_microbatches)
+  return (num_stages + num_microbatches - 2) // num_microbatches
+
+
+def timeprest_steady_version_difference(num_stages: int,
+                                        num_microbatches: int) -> int:
+  r"""TiMePReSt's :math:`v` derived from the nF1B schedule's steady state.
+
+  With backward priority each stage repeats :math:`N` forwards and one
+  backward, so backwards leave the last stage every :math:`N + 1` ticks and
+  take :math:`W` ticks to reach stage 0. When the backward of minibatch
+  :math:`p` starts on the last stage, that of :math:`p - k` is complete iff
+  :math:`k(N + 1) \ge W`, so the gradient holds updates up to :math:`p - v`:
+
+  .. math:: v = \left\lceil \frac{W}{N + 1} \right\rceil
+
+  which is 1 iff :math:`W \le N + 1`, as seed 003 eqs. 11-12 state.
+
+  Examples:
+    >>> timeprest_steady_version_difference(6, 2)
+    2
+  """
+  _check(num_stages=num_stages, num_microbatches=num_microbatches)
+  return math.ceil(num_stages / (num_microbatches + 1))
+
+
+def timeprest_single_sequence(num_stages: int, num_microbatches: int) -> bool:
+  r"""Whether TiMePReSt's updates form one sequence (:math:`v = 1`).
+
+  .. math:: v = 1 \iff W \le N + 1
+
+  Seed 003 §4.4, eqs. 11 and 12.
+
+  Examples:
+    >>> timeprest_single_sequence(4, 2), timeprest_single_sequence(4, 4)
+    (False, True)
+  """
+  _check(num_stages=num_stages, num_microbatches=num_microbatches)
+  return num_stages <= num_microbatches + 1
+
+
+def pipedream_stash_depth(num_stages: int, stage: int) -> int:
+  r"""Weight versions stage :math:`s` of asynchronous PipeDream keeps.
+
+  One per minibatch in flight on the stage (1F1B admits :math:`S - s`):
+
+  .. math:: S - s
+
+  Examples:
+    >>> [pipedream_stash_depth(4, s) for s in range(4)]
+    [4, 3, 2, 1]
+
+  References:
+    Narayanan et al, PipeDream <https://arxiv.org/abs/1806.03377>, 2019
+    (§3.3, weight stashing)
+  """
+  _check(num_stages=num_stages, stage=stage)
+  return num_stages - stage
+
+
+def pipedream_staleness(num_stages: int, stage: int) -> int:
+  r"""Updates a minibatch misses on stage :math:`s` of asynchronous PipeDream.
+
+  The minibatches in flight ahead of it: :math:`S - 1 - s` (steady state).
+
+  Examples:
+    >>> pipedream_staleness(4, 0)
+    3
+  """
+  _check(num_stages=num_stages, stage=stage)
+  return num_stages - 1 - stage
+
+
+def pipedream_2bw_version(minibatch: int) -> int:
+  r"""The version PipeDream-2BW's minibatch :math:`p` reads: one update late.
+
+  .. math:: W^{(t+1)} = W^{(t)} - \nu \nabla f(W^{(t-1)})
+     \quad\Rightarrow\quad \max(0, p - 1)
+
+  with two versions alive per stage (:data:`PIPEDREAM_2BW_VERSIONS`).
+
+  Examples:
+    >>> [pipedream_2bw_version(p) for p in range(4)]
+    [0, 0, 1, 2]
+
+  References:
+    Narayanan et al, Memory-Efficient Pipeline-Parallel DNN Training
+    <https://arxiv.org/abs/2006.09503>, 2021 (§3.1)
+  """
+  _check(minibatch=minibatch)
+  return max(0, minibatch - 1)
+
+
+PIPEDREAM_2BW_VERSIONS = 2
