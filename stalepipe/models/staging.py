@@ -38,7 +38,7 @@ def _block_fn(block: nnx.Module) -> tuple[Callable, dict]:
     nnx.replace_by_pure_dict(block_state, params)
     return nnx.merge(graphdef, block_state)(x)
 
-  return apply, state.to_pure_dict()
+  return apply, nnx.to_pure_dict(state)
 
 
 def _compose(fns: Sequence[Callable]) -> StageFn:
