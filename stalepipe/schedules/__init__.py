@@ -9,10 +9,23 @@ Examples:
 
 from stalepipe.schedules.core import KINDS, Schedule, Task
 from stalepipe.schedules.gpipe import gpipe
-from stalepipe.schedules.render import TimelineEvent, chrome_trace, gantt_png, schedule_events
+from stalepipe.schedules.hetpipe import hetpipe
+from stalepipe.schedules.one_f_one_b import one_f_one_b
+from stalepipe.schedules.pipedream import pipedream
+from stalepipe.schedules.pipedream_2bw import pipedream_2bw
+from stalepipe.schedules.render import TimelineEvent
+from stalepipe.schedules.render import chrome_trace
+from stalepipe.schedules.render import gantt_png
+from stalepipe.schedules.render import schedule_events
+from stalepipe.schedules.timeprest import timeprest
 
 _REGISTRY = {
     "gpipe": gpipe,
+    "1f1b": one_f_one_b,
+    "pipedream": pipedream,
+    "2bw": pipedream_2bw,
+    "hetpipe": hetpipe,
+    "timeprest": timeprest,
 }
 
 

@@ -11,6 +11,7 @@ the weights it reads. A stage applies the update of minibatch `p` at the end of
 the tick in which its last backward task of `p` finishes, in minibatch order.
 """
 
+import bisect
 import dataclasses
 import functools
 from typing import Mapping, NamedTuple
@@ -44,7 +45,10 @@ class Schedule:
     num_minibatches: B, minibatches in the table.
     tasks: every task, sorted by (tick, stage).
     versions: `(minibatch, stage, kind, microbatch) -> version` for every task.
-    durations: ticks a task of each kind occupies (default one each).
+    durations: ticks a task of each kind occupies (F and B one, FB two).
+    backward_covers_minibatch: whether each stage runs one backward per
+      minibatch (micro-batch 0) on the mean loss of all its micro-batches,
+      as TiMePReSt's nF1B does, instead of one backward per micro-batch.
   """
 
   name: str
@@ -55,6 +59,7 @@ class Schedule:
   versions: Mapping[VersionKey, int]
   durations: Mapping[str, int] = dataclasses.field(
       default_factory=lambda: {"F": 1, "B": 1, "FB": 2})
+  backward_covers_minibatch: bool = False
 
   def version(self, minibatch: int, stage: int, kind: str,
               microbatch: int = 0) -> int:
@@ -98,3 +103,162 @@ class Schedule:
         key = (t.stage, t.minibatch)
         last[key] = max(last.get(key, -1), self.end_tick(t) - 1)
     return last
+
+  def applied(self, stage: int, tick: int) -> int:
+    """Updates `stage` has applied before `tick` (its weights' version)."""
+    return bisect.bisect_right(self._update_starts[stage], tick)
+
+  @functools.cached_property
+  def _update_starts(self) -> tuple[tuple[int, ...], ...]:
+    """Per stage, the first tick of each version 1, 2, ... (update tick + 1)."""
+    out = [[] for _ in range(self.num_stages)]
+    for (s, _), u in sorted(self.update_ticks.items(), key=lambda kv: kv[1]):
+      out[s].append(u + 1)
+    return tuple(tuple(ticks) for ticks in out)
+
+  @functools.cached_property
+  def max_in_flight(self) -> tuple[int, ...]:
+    """Per stage, the most micro-batches whose activations it holds at once.
+
+    A micro-batch is in flight on a stage from the start of its forward to
+    the end of the backward that consumes it (a fused FB holds it for its
+    own two ticks).
+    """
+    held = np.zeros((self.num_ticks + 1, self.num_stages), dtype=int)
+    starts = {}
+    for t in self.tasks:
+      if t.kind == "F":
+        starts[(t.minibatch, t.microbatch, t.stage)] = t.tick
+    for t in self.tasks:
+      if t.kind == "F":
+        continue
+      micro = (range(self.num_microbatches) if self.backward_covers_minibatch
+               else (t.microbatch,))
+      for m in micro:
+        begin = starts.get((t.minibatch, m, t.stage), t.tick)
+        held[begin, t.stage] += 1
+        held[self.end_tick(t), t.stage] -= 1
+    return tuple(int(x) for x in np.cumsum(held, axis=0).max(axis=0))
+
+  @functools.cached_property
+  def stash_depth(self) -> tuple[int, ...]:
+    r"""Per stage, the most weight versions alive at once, the current one included.
+
+    Version :math:`k` of a stage is alive from the tick it becomes current
+    until it is superseded or until the last task reading it ends, whichever
+    is later.
+    """
+    depth = []
+    for s in range(self.num_stages):
+      begins = (0,) + self._update_starts[s]
+      ends = [b - 1 for b in begins[1:]] + [self.num_ticks - 1]
+      for t in self.tasks:
+        if t.stage == s:
+          k = self.task_version(t)
+          ends[k] = max(ends[k], self.end_tick(t) - 1)
+      alive = np.zeros(self.num_ticks + 1, dtype=int)
+      for b, e in zip(begins, ends):
+        alive[b] += 1
+        alive[e + 1] -= 1
+      depth.append(int(np.cumsum(alive).max()))
+    return tuple(depth)
+
+  @functools.cached_property
+  def staleness(self) -> tuple[int, ...]:
+    r"""Per minibatch :math:`p`, the most updates of minibatches before it that
+    one of its tasks misses: :math:`\max_{\text{tasks}} (p - \text{version})`."""
+    worst = [0] * self.num_minibatches
+    for t in self.tasks:
+      worst[t.minibatch] = max(worst[t.minibatch],
+                               t.minibatch - self.task_version(t))
+    return tuple(worst)
+
+  @functools.cached_property
+  def version_difference(self) -> int:
+    r"""TiMePReSt's :math:`v` (seed 003 §4.4), measured.
+
+    The gradient of minibatch :math:`p` is computed on weights holding the
+    updates of minibatches :math:`0..p-v`, so successive updates form
+    :math:`v` interleaved sequences; :math:`v = 1` is a single sequence.
+
+    .. math:: v = 1 + \max_{\text{backward tasks}} (p - \text{version})
+    """
+    return 1 + max(t.minibatch - self.task_version(t) for t in self.tasks
+                   if t.kind in ("B", "FB"))
+
+  def validate(self) -> "Schedule":
+    """Checks the dependencies and the version rule; returns the schedule.
+
+    Raises:
+      ValueError: naming the first task that breaks a rule.
+    """
+    S, M, B = self.num_stages, self.num_microbatches, self.num_minibatches
+    if list(self.tasks) != sorted(self.tasks, key=lambda t: (t.tick, t.stage)):
+      raise ValueError(f"tasks of schedule {self.name!r} are not sorted by "
+                       "(tick, stage)")
+    ends, occupied = {}, {}
+    for t in self.tasks:
+      if (t.kind not in KINDS or not 0 <= t.stage < S
+          or not 0 <= t.minibatch < B or not 0 <= t.microbatch < M
+          or t.tick < 0):
+        raise ValueError(f"{t} is invalid: kind must be one of {KINDS}, "
+                         f"stage < {S}, minibatch < {B}, micro-batch < {M}, "
+                         "tick >= 0")
+      if t.kind == "FB" and t.stage != S - 1:
+        raise ValueError(f"{t} is invalid: only the last stage {S - 1} fuses "
+                         "F and B")
+      key = (t.minibatch, t.stage, t.kind, t.microbatch)
+      if key in ends:
+        raise ValueError(f"{t} appears twice")
+      if key not in self.versions:
+        raise ValueError(f"{t} has no version")
+      ends[key] = self.end_tick(t)
+      for tick in range(t.tick, self.end_tick(t)):
+        if (t.stage, tick) in occupied:
+          raise ValueError(f"{t} overlaps {occupied[(t.stage, tick)]} on "
+                           f"stage {t.stage} at tick {tick}")
+        occupied[(t.stage, tick)] = t
+    extra = set(self.versions) - set(ends)
+    if extra:
+      raise ValueError(f"versions name tasks that are not scheduled: "
+                       f"{sorted(extra)[:3]}")
+
+    def end(p, s, kinds, m):
+      for kind in kinds:
+        if (p, s, kind, m) in ends:
+          return ends[(p, s, kind, m)]
+      raise ValueError(f"schedule {self.name!r} lacks {'/'.join(kinds)} of "
+                       f"minibatch {p} micro-batch {m} on stage {s}")
+
+    for p in range(B):
+      for s in range(S):
+        for m in range(M):
+          end(p, s, ("F", "FB"), m)
+          if not self.backward_covers_minibatch or m == 0:
+            end(p, s, ("B", "FB"), m)
+    for t in self.tasks:
+      p, s, m = t.minibatch, t.stage, t.microbatch
+      needs = []
+      if t.kind in ("F", "FB") and s > 0:
+        needs.append(("forward", s - 1, ("F",), m))
+      if t.kind == "B":
+        micro = range(M) if self.backward_covers_minibatch else (m,)
+        needs += [("forward", s, ("F", "FB"), mm) for mm in micro]
+        if s < S - 1:
+          needs.append(("backward", s + 1, ("B", "FB"), m))
+      for what, stage, kinds, mm in needs:
+        if end(p, stage, kinds, mm) > t.tick:
+          raise ValueError(f"{t} starts before the {what} of minibatch {p} "
+                           f"micro-batch {mm} on stage {stage} ends")
+      version, applied = self.task_version(t), self.applied(s, t.tick)
+      if not 0 <= version <= applied:
+        raise ValueError(f"{t} reads version {version} but stage {s} has "
+                         f"applied {applied} updates before tick {t.tick}")
+    for s in range(S):
+      ticks = [self.update_ticks[(s, p)] for p in range(B)]
+      for p in range(1, B):
+        if ticks[p] <= ticks[p - 1]:
+          raise ValueError(f"stage {s} applies the update of minibatch {p} "
+                           f"(tick {ticks[p]}) before that of minibatch "
+                           f"{p - 1} (tick {ticks[p - 1]})")
+    return self

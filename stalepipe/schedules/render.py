@@ -90,10 +90,10 @@ def schedule_events(schedule) -> list[TimelineEvent]:
     Events with rows `"stage s"`, in task order, times in ticks.
   """
   events = []
-  whole = getattr(schedule, "whole_minibatch_kinds", ())
   for t in schedule.tasks:
     label = str(t.minibatch)
-    if schedule.num_microbatches > 1 and t.kind not in whole:
+    whole = schedule.backward_covers_minibatch and t.kind == "B"
+    if schedule.num_microbatches > 1 and not whole:
       label = f"{t.minibatch}.{t.microbatch}"
     events.append(TimelineEvent(f"stage {t.stage}", t.tick,
                                 schedule.durations[t.kind], t.kind, label))

@@ -1,0 +1,110 @@
+"""Command line: print, draw and export a schedule.
+
+  python -m stalepipe.schedules show timeprest --stages 4 --microbatches 2 \\
+      [--minibatches 6] [--png F] [--trace F]
+
+prints the task table (stages as rows, ticks as columns; `F3.1` is the
+forward of minibatch 3 micro-batch 1, `B3` a backward, `FB3` a fused one,
+`.` an idle tick), the version map and the derived figures; `--png` writes a
+Gantt chart, `--trace` a Chrome/Perfetto trace.
+"""
+
+import argparse
+import sys
+
+from stalepipe import schedules
+
+
+def table(schedule: schedules.Schedule) -> str:
+  """The task table as text: one row per stage, one column per tick."""
+  events = schedules.schedule_events(schedule)
+  cells = [["."] * schedule.num_ticks for _ in range(schedule.num_stages)]
+  for task, event in zip(schedule.tasks, events):
+    cells[task.stage][task.tick] = f"{task.kind}{event.label}"
+    for tick in range(task.tick + 1, schedule.end_tick(task)):
+      cells[task.stage][tick] = "~"
+  width = max(len(c) for row in cells for c in row)
+  head = "tick    " + " ".join(f"{t:>{width}}" for t in
+                                 range(schedule.num_ticks))
+  rows = [f"stage {s:<2}" + " ".join(f"{c:>{width}}" for c in row)
+          for s, row in enumerate(cells)]
+  return "\n".join([head] + rows)
+
+
+def versions(schedule: schedules.Schedule) -> str:
+  """The version map as text, one line per stage: `task:version`."""
+  lines = []
+  for s in range(schedule.num_stages):
+    items = [f"{t.kind}{label}:{schedule.task_version(t)}"
+             for t, label in zip(schedule.tasks,
+                                 (e.label for e in
+                                  schedules.schedule_events(schedule)))
+             if t.stage == s]
+    lines.append(f"stage {s:<2}" + " ".join(items))
+  return "\n".join(lines)
+
+
+def summary(schedule: schedules.Schedule) -> str:
+  """The derived figures, one per line."""
+  return "\n".join([
+      f"num_ticks          {schedule.num_ticks}",
+      f"bubble_fraction    {schedule.bubble_fraction:.4f}",
+      f"max_in_flight      {schedule.max_in_flight}",
+      f"stash_depth        {schedule.stash_depth}",
+      f"staleness          {schedule.staleness}",
+      f"version_difference {schedule.version_difference}",
+  ])
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(prog="python -m stalepipe.schedules")
+  sub = parser.add_subparsers(dest="command", required=True)
+  show = sub.add_parser("show", help="print, draw and export a schedule")
+  show.add_argument("name", choices=schedules.names())
+  show.add_argument("--stages", type=int, default=4)
+  show.add_argument("--microbatches", type=int, default=1)
+  show.add_argument("--minibatches", type=int, default=None,
+                    help="default: 1 for gpipe and 1f1b, else 2 * stages")
+  show.add_argument("--concurrent-minibatches", type=int, default=None,
+                    help="hetpipe's N_m (default: stages)")
+  show.add_argument("--vertical-sync", action="store_true",
+                    help="pipedream with vertical sync")
+  show.add_argument("--png", help="write a Gantt chart to this PNG file")
+  show.add_argument("--trace", help="write a Chrome/Perfetto JSON trace")
+  args = parser.parse_args(argv)
+
+  kwargs = {}
+  if args.name == "hetpipe":
+    kwargs["concurrent_minibatches"] = (args.concurrent_minibatches
+                                        or args.stages)
+  if args.name == "pipedream":
+    kwargs["vertical_sync"] = args.vertical_sync
+  minibatches = args.minibatches or (
+      1 if args.name in ("gpipe", "1f1b") else 2 * args.stages)
+  try:
+    schedule = schedules.make(args.name, num_stages=args.stages,
+                              num_microbatches=args.microbatches,
+                              num_minibatches=minibatches, **kwargs)
+  except ValueError as e:
+    parser.error(str(e))
+  schedule.validate()
+  title = (f"{args.name}: S={args.stages}, M={args.microbatches}, "
+           f"B={minibatches}" + "".join(f", {k}={v}"
+                                        for k, v in kwargs.items()))
+  print(title)
+  print(table(schedule))
+  print("versions (task:version)")
+  print(versions(schedule))
+  print(summary(schedule))
+  events = schedules.schedule_events(schedule)
+  if args.png:
+    schedules.gantt_png(events, args.png, title=title)
+    print(f"wrote {args.png}")
+  if args.trace:
+    schedules.chrome_trace(events, args.trace)
+    print(f"wrote {args.trace}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
