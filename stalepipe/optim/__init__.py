@@ -1,1 +1,44 @@
-"""stalepipe.optim: filled by its own issue; empty for now."""
+"""stalepipe.optim: staleness and its compensation as optax transforms.
+
+Stale gradients (PipeSGD), delay compensation (DC-ASGD, SAPipe eq. 1), weight
+prediction (SAPipe Algorithm 3, SpecTrain), HetPipe wave accumulation, the
+staleness-aware learning rate, SDPipe's variance-reduced Adam and SAPipe's
+partial-staleness solver. Chain them with any optax optimizer; none of them
+knows about pipelines.
+"""
+
+from stalepipe.optim._adam_variance import scale_by_variance_reduced_adam
+from stalepipe.optim._adam_variance import ScaleByVarianceReducedAdamState
+from stalepipe.optim._delay_compensation import compensate
+from stalepipe.optim._delay_compensation import delay_compensation
+from stalepipe.optim._delay_compensation import DelayCompensationState
+from stalepipe.optim._partial_staleness import minimal_stale_prefix
+from stalepipe.optim._stale import stale_gradients
+from stalepipe.optim._stale import StaleGradientsState
+from stalepipe.optim._staleness_lr import scale_by_staleness
+from stalepipe.optim._staleness_lr import ScaleByStalenessState
+from stalepipe.optim._waves import wave_accumulation
+from stalepipe.optim._waves import wave_complete
+from stalepipe.optim._waves import WaveAccumulationState
+from stalepipe.optim._weight_prediction import spectrain_prediction
+from stalepipe.optim._weight_prediction import WeightPrediction
+from stalepipe.optim._weight_prediction import WeightPredictionState
+
+__all__ = (
+    "compensate",
+    "delay_compensation",
+    "DelayCompensationState",
+    "minimal_stale_prefix",
+    "scale_by_staleness",
+    "scale_by_variance_reduced_adam",
+    "ScaleByStalenessState",
+    "ScaleByVarianceReducedAdamState",
+    "spectrain_prediction",
+    "stale_gradients",
+    "StaleGradientsState",
+    "wave_accumulation",
+    "wave_complete",
+    "WaveAccumulationState",
+    "WeightPrediction",
+    "WeightPredictionState",
+)
