@@ -1,9 +1,14 @@
 """Flax NNX models written as sequences of blocks, and a splitter into stages."""
 
+from stalepipe.models import losses
+from stalepipe.models.cnn import vgg
 from stalepipe.models.mlp import mlp
+from stalepipe.models.resnet import resnet
 from stalepipe.models.staging import Staged, even_boundaries, split, unpipelined
+from stalepipe.models.transformer import transformer
 
-_REGISTRY = {"mlp": mlp}
+_REGISTRY = {"mlp": mlp, "vgg": vgg, "resnet": resnet,
+             "transformer": transformer}
 
 
 def names() -> tuple[str, ...]:
