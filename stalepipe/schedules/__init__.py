@@ -7,9 +7,12 @@ Examples:
   Task(tick=0, stage=0, kind='F', minibatch=0, microbatch=0)
 """
 
+import dataclasses
+
 from stalepipe.schedules.core import KINDS, Schedule, Task
 from stalepipe.schedules.gpipe import gpipe
 from stalepipe.schedules.hetpipe import hetpipe
+from stalepipe.schedules.hetpipe import measured_global_staleness
 from stalepipe.schedules.one_f_one_b import one_f_one_b
 from stalepipe.schedules.pipedream import pipedream
 from stalepipe.schedules.pipedream_2bw import pipedream_2bw
@@ -55,6 +58,7 @@ def make(name: str, *, num_stages: int, num_microbatches: int,
                      ("num_minibatches", num_minibatches)):
     if not isinstance(value, int) or value < 1:
       raise ValueError(f"{arg}={value!r} is invalid; it must be an integer >= 1")
-  return _REGISTRY[name](num_stages=num_stages,
-                         num_microbatches=num_microbatches,
-                         num_minibatches=num_minibatches, **kwargs)
+  schedule = _REGISTRY[name](num_stages=num_stages,
+                             num_microbatches=num_microbatches,
+                             num_minibatches=num_minibatches, **kwargs)
+  return dataclasses.replace(schedule, options=dict(kwargs))

@@ -46,6 +46,7 @@ class Schedule:
     tasks: every task, sorted by (tick, stage).
     versions: `(minibatch, stage, kind, microbatch) -> version` for every task.
     durations: ticks a task of each kind occupies (F and B one, FB two).
+    options: the schedule-specific options `make` was given.
     backward_covers_minibatch: whether each stage runs one backward per
       minibatch (micro-batch 0) on the mean loss of all its micro-batches,
       as TiMePReSt's nF1B does, instead of one backward per micro-batch.
@@ -60,6 +61,14 @@ class Schedule:
   durations: Mapping[str, int] = dataclasses.field(
       default_factory=lambda: {"F": 1, "B": 1, "FB": 2})
   backward_covers_minibatch: bool = False
+  options: Mapping[str, object] = dataclasses.field(default_factory=dict)
+
+  def with_minibatches(self, num_minibatches: int) -> "Schedule":
+    """The same schedule (name, sizes, options) over `num_minibatches`."""
+    from stalepipe.schedules import make  # pylint: disable=g-import-not-at-top
+    return make(self.name, num_stages=self.num_stages,
+                num_microbatches=self.num_microbatches,
+                num_minibatches=num_minibatches, **self.options)
 
   def version(self, minibatch: int, stage: int, kind: str,
               microbatch: int = 0) -> int:
