@@ -178,7 +178,7 @@ def delay_compensation(
   check_form(form, adaptive)
   if isinstance(delay, bool) or not isinstance(delay, int) or delay < 0:
     raise ValueError(f"delay={delay!r} is invalid; valid: an int >= 0")
-  if not 0.0 <= decay < 1.0:
+  if isinstance(decay, (int, float)) and not 0.0 <= decay < 1.0:
     raise ValueError(f"decay={decay} is invalid; valid: 0 <= decay < 1")
 
   def init_fn(params):

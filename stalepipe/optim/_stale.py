@@ -75,8 +75,8 @@ def stale_gradients(delay: Delay) -> optax.GradientTransformation:
     Distributed Deep Net Training <https://arxiv.org/abs/1811.03619>`_, 2018;
     Chen et al, SAPipe (seed 004) Algorithm 1 and §3.1, 2022.
   """
-  if isinstance(delay, int):
-    _check_delay(delay)
+  if not callable(delay):
+    jax.tree.map(_check_delay, delay)
 
   def init_fn(params):
     delays = leaf_delays(delay, params)
