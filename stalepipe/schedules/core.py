@@ -227,10 +227,6 @@ class Schedule:
           raise ValueError(f"{t} overlaps {occupied[(t.stage, tick)]} on "
                            f"stage {t.stage} at tick {tick}")
         occupied[(t.stage, tick)] = t
-    extra = set(self.versions) - set(ends)
-    if extra:
-      raise ValueError(f"versions name tasks that are not scheduled: "
-                       f"{sorted(extra)[:3]}")
 
     def end(p, s, kinds, m):
       for kind in kinds:
@@ -245,6 +241,10 @@ class Schedule:
           end(p, s, ("F", "FB"), m)
           if not self.backward_covers_minibatch or m == 0:
             end(p, s, ("B", "FB"), m)
+    extra = set(self.versions) - set(ends)
+    if extra:
+      raise ValueError(f"versions name tasks that are not scheduled: "
+                       f"{sorted(extra)[:3]}")
     for t in self.tasks:
       p, s, m = t.minibatch, t.stage, t.microbatch
       needs = []

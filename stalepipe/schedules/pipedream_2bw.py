@@ -7,8 +7,10 @@ update is delayed by exactly one:
 
 .. math:: W^{(t+1)} = W^{(t)} - \\nu \\nabla f(W^{(t-1)}).
 
-With :math:`M \\ge S` the version is always there when the minibatch enters
-and the pipeline never stalls; with :math:`M < S` a stage waits for it.
+2BW needs :math:`M \\ge S` (the paper's :math:`m \\ge d`): then version
+:math:`p - 1` is always there when minibatch :math:`p` enters, the pipeline
+never stalls and the steady state repeats every minibatch. Smaller :math:`M`
+is rejected.
 
 References:
   Narayanan et al, Memory-Efficient Pipeline-Parallel DNN Training
@@ -25,7 +27,7 @@ def pipedream_2bw(num_stages: int, num_microbatches: int,
 
   Args:
     num_stages: S, pipeline stages.
-    num_microbatches: M, micro-batches per minibatch (2BW wants M >= S).
+    num_microbatches: M, micro-batches per minibatch, at least S.
     num_minibatches: B, minibatches in the table.
 
   Returns:
@@ -36,6 +38,9 @@ def pipedream_2bw(num_stages: int, num_microbatches: int,
     >>> [s.version(p, 0, "F") for p in range(6)], s.stash_depth
     ([0, 0, 1, 2, 3, 4], (2, 2, 2, 2))
   """
+  if num_microbatches < num_stages:
+    raise ValueError(f"num_microbatches={num_microbatches} is invalid for 2bw "
+                     f"with {num_stages} stages; it must be >= num_stages")
   rules = greedy.Rules(version=lambda task, view: max(0, task.minibatch - 1),
                        priority="backward",
                        cap=lambda stage: num_stages - stage)

@@ -1,0 +1,314 @@
+"""Schedules: dependencies, causality, periodicity and the papers' theory."""
+
+import dataclasses
+import itertools
+import re
+
+from hypothesis import given, settings, strategies as st
+import pytest
+
+import stalepipe as sp
+from stalepipe import theory
+
+ASYNC = ("pipedream", "2bw", "hetpipe", "timeprest")
+FAST = settings(max_examples=12, deadline=None)
+
+
+def make(name, S, M, B, **kw):
+  """Builds a schedule; 2BW needs M >= S, so smaller M is raised to S."""
+  if name == "2bw":
+    M = max(M, S)
+  if name == "hetpipe":
+    kw.setdefault("concurrent_minibatches", min(S, 3))
+  return sp.schedules.make(name, num_stages=S, num_microbatches=M,
+                           num_minibatches=B, **kw)
+
+
+def by_minibatch(schedule, p):
+  return [t for t in schedule.tasks if t.minibatch == p]
+
+
+@pytest.mark.parametrize("name", sp.schedules.names())
+@pytest.mark.parametrize("S,M", [(1, 1), (2, 1), (3, 2), (4, 4), (5, 2)])
+def test_every_schedule_is_valid(name, S, M):
+  s = make(name, S, M, 5).validate()
+  assert s.num_ticks * S >= sum(s.durations[t.kind] for t in s.tasks)
+  assert 0.0 <= s.bubble_fraction < 1.0
+  assert s.version_difference >= 1
+
+
+@pytest.mark.parametrize("name", sp.schedules.names())
+def test_unknown_options_rejected(name):
+  with pytest.raises(ValueError, match="num_stages=0"):
+    make(name, 0, 1, 1)
+  with pytest.raises(ValueError, match="unknown schedule"):
+    sp.schedules.make("zigzag", num_stages=2, num_microbatches=1)
+
+
+@pytest.mark.parametrize("name", ASYNC + ("pipedream_vs",))
+@pytest.mark.parametrize("S,M", [(2, 1), (3, 2), (4, 1), (4, 2), (5, 3)])
+def test_causal(name, S, M):
+  """Adding minibatches never changes the past (DESIGN.md, windows)."""
+  kw = {}
+  if name == "pipedream_vs":
+    name, kw = "pipedream", {"vertical_sync": True}
+  big = make(name, S, M, 9, **kw)
+  for b in (1, 3, 6):
+    small = make(name, S, M, b, **kw)
+    entry = next(t.tick for t in big.tasks
+                 if t.minibatch == b and t.stage == 0 and t.microbatch == 0)
+    small_tasks = set(small.tasks)
+    for t in big.tasks:
+      if t.tick < entry:
+        assert t in small_tasks, (name, b, t)
+        assert small.task_version(t) == big.task_version(t), (name, b, t)
+
+
+@pytest.mark.parametrize("name", ASYNC)
+@pytest.mark.parametrize("S,M", [(2, 1), (3, 2), (4, 1), (4, 3), (6, 2)])
+def test_periodic_in_steady_state(name, S, M):
+  """Minibatch p+P repeats minibatch p shifted in time, P versions on.
+
+  P = 1 for every schedule but HetPipe, which repeats per wave of N_m
+  minibatches when N_m minibatches do not fill the pipeline.
+  """
+  n_m = min(S, 3)
+  B = 6 * S + 6 * n_m
+  s = make(name, S, M, B)
+
+  def repeats(P):
+    shifts = set()
+    for p in range(2 * S + 2 * n_m, B - 2 * S - 2 * n_m):
+      now, nxt = by_minibatch(s, p), by_minibatch(s, p + P)
+      shift = nxt[0].tick - now[0].tick
+      shifts.add(shift)
+      if [(t.tick + shift, t.stage, t.kind, t.microbatch) for t in now] != [
+          (t.tick, t.stage, t.kind, t.microbatch) for t in nxt]:
+        return False
+      if [s.task_version(t) + P for t in now] != [
+          s.task_version(t) for t in nxt]:
+        return False
+    return len(shifts) == 1
+
+  assert repeats(1) or (name == "hetpipe" and repeats(n_m))
+
+
+def _first_with(schedule, pred):
+  return next(t for t in schedule.tasks if pred(t))
+
+
+@pytest.mark.parametrize("name", sp.schedules.names())
+def test_validator_names_the_offending_task(name):
+  s = make(name, 3, 2, 3)
+  # A backward moved to the tick of its own forward.
+  b = _first_with(s, lambda t: t.kind == "B" and t.stage == 1)
+  early = b._replace(tick=0)
+  tasks = tuple(sorted([early if t == b else t for t in s.tasks],
+                       key=lambda t: (t.tick, t.stage)))
+  with pytest.raises(ValueError, match=r"Task\(tick=0, stage=1, kind='B'"):
+    dataclasses.replace(s, tasks=tasks).validate()
+  # A version that the stage has not produced yet.
+  t = s.tasks[-1]
+  key = (t.minibatch, t.stage, t.kind, t.microbatch)
+  versions = dict(s.versions)
+  versions[key] = s.applied(t.stage, t.tick) + 1
+  with pytest.raises(ValueError, match=re.escape(f"{t} reads version")):
+    dataclasses.replace(s, versions=versions).validate()
+  # A forward dropped.
+  gone = _first_with(s, lambda t: t.kind == "F" and t.stage == 1)
+  tasks = tuple(t for t in s.tasks if t != gone)
+  with pytest.raises(ValueError, match="lacks"):
+    dataclasses.replace(s, tasks=tasks).validate()
+
+
+def test_validator_rejects_overlap():
+  s = make("gpipe", 2, 2, 1)
+  a, b = s.tasks[0], s.tasks[1]
+  moved = b._replace(tick=a.tick, stage=a.stage)
+  tasks = tuple(sorted([moved if t == b else t for t in s.tasks],
+                       key=lambda t: (t.tick, t.stage)))
+  with pytest.raises(ValueError, match="overlaps"):
+    dataclasses.replace(s, tasks=tasks).validate()
+
+
+# Synchronous schedules: GPipe's bubble and the flush.
+
+
+@FAST
+@given(S=st.integers(1, 8), M=st.integers(1, 12), B=st.integers(1, 3))
+def test_sync_bubble_is_gpipes(S, M, B):
+  for name in ("gpipe", "1f1b"):
+    s = make(name, S, M, B).validate()
+    assert s.bubble_fraction == pytest.approx(theory.gpipe_bubble(S, M))
+    assert s.num_ticks == 2 * B * (M + S - 1)
+    assert s.staleness == (0,) * B and s.version_difference == 1
+    assert s.stash_depth == (1,) * S
+    for t in s.tasks:
+      assert s.task_version(t) == t.minibatch
+
+
+@FAST
+@given(S=st.integers(1, 8), M=st.integers(1, 12))
+def test_1f1b_holds_fewer_activations(S, M):
+  s = make("1f1b", S, M, 2)
+  assert s.max_in_flight == tuple(min(S - k, M) for k in range(S))
+  assert make("gpipe", S, M, 2).max_in_flight == (M,) * S
+
+
+# PipeDream, vertical sync, 2BW.
+
+
+@FAST
+@given(S=st.integers(1, 7), M=st.integers(1, 4))
+def test_pipedream_weight_stashing(S, M):
+  s = make("pipedream", S, M, 2 * S + 2).validate()
+  for t in s.tasks:
+    if t.kind == "B":
+      assert s.task_version(t) == s.version(t.minibatch, t.stage, "F",
+                                            t.microbatch)
+
+
+@FAST
+@given(S=st.integers(1, 7))
+def test_pipedream_versions_and_stash_match_theory(S):
+  B = 2 * S + 2
+  s = make("pipedream", S, 1, B)
+  for p, k in itertools.product(range(B), range(S)):
+    assert s.version(p, k, "F") == max(
+        0, p - theory.pipedream_staleness(S, k))
+  assert s.stash_depth == tuple(theory.pipedream_stash_depth(S, k)
+                                for k in range(S))
+  assert s.max_in_flight == s.stash_depth
+  assert s.version_difference == theory.pipedream_staleness(S, 0) + 1
+
+
+@FAST
+@given(S=st.integers(1, 7), M=st.integers(1, 3))
+def test_pipedream_vertical_sync_is_one_version_across_stages(S, M):
+  s = make("pipedream", S, M, 2 * S + 2, vertical_sync=True).validate()
+  for t in s.tasks:
+    assert s.task_version(t) == s.version(t.minibatch, 0, "F", t.microbatch)
+  if M == 1:
+    assert [s.version(p, 0, "F") for p in range(2 * S + 2)] == [
+        max(0, p - S + 1) for p in range(2 * S + 2)]
+
+
+@FAST
+@given(S=st.integers(1, 7), extra=st.integers(0, 4))
+def test_2bw_one_update_delay_and_two_versions(S, extra):
+  M, B = S + extra, 2 * S + 3
+  s = make("2bw", S, M, B).validate()
+  for t in s.tasks:
+    assert s.task_version(t) == theory.pipedream_2bw_version(t.minibatch)
+  assert s.stash_depth == (theory.PIPEDREAM_2BW_VERSIONS,) * S
+  # The version is always there: after the fill, stage 0 never idles
+  # until the drain.
+  busy = s.busy[:, 0]
+  first_b = next(t.tick for t in s.tasks if t.stage == 0 and t.kind == "B")
+  last_f = max(t.tick for t in s.tasks if t.stage == 0 and t.kind == "F")
+  assert busy[:S].all() and busy[first_b:last_f + 1].all()
+
+
+# HetPipe and WSP.
+
+
+@FAST
+@given(S=st.integers(1, 7), n_m=st.integers(1, 6), M=st.integers(1, 2))
+def test_hetpipe_versions_and_local_staleness(S, n_m, M):
+  B = 3 * n_m + 2
+  s = make("hetpipe", S, M, B, concurrent_minibatches=n_m).validate()
+  for t in s.tasks:
+    assert s.task_version(t) == theory.hetpipe_version(t.minibatch, n_m)
+    assert (t.kind == "FB") == (t.stage == S - 1)
+  assert s.staleness == tuple(min(p, theory.wsp_local_staleness(n_m))
+                              for p in range(B))
+  assert s.version_difference == n_m
+  assert s.stash_depth == (n_m,) * S  # w_p kept until p's backward
+
+
+@pytest.mark.parametrize("S", [2, 4, 6])
+@pytest.mark.parametrize("n_m", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize("D", [0, 1, 3])
+def test_wsp_global_staleness_measured(S, n_m, D):
+  s = make("hetpipe", S, 1, n_m * (D + 4), concurrent_minibatches=n_m)
+  measured = sp.schedules.measured_global_staleness(s, D)
+  bound = theory.wsp_global_staleness(D, theory.wsp_local_staleness(n_m))
+  assert measured <= bound
+  if n_m <= S:  # N_m minibatches fill the pipeline: the bound is reached
+    assert measured == bound
+
+
+def test_2bw_rejects_too_few_microbatches():
+  with pytest.raises(ValueError, match="num_microbatches=2"):
+    sp.schedules.make("2bw", num_stages=3, num_microbatches=2)
+
+
+def test_hetpipe_rejects_bad_concurrency():
+  with pytest.raises(ValueError, match="concurrent_minibatches=0"):
+    make("hetpipe", 2, 1, 2, concurrent_minibatches=0)
+
+
+# TiMePReSt.
+
+
+@pytest.mark.parametrize("W", range(2, 11))
+@pytest.mark.parametrize("N", range(1, 7))
+def test_timeprest_version_difference(W, N):
+  s = make("timeprest", W, N, 3 * W + 3).validate()
+  v = s.version_difference
+  assert v == theory.timeprest_steady_version_difference(W, N)
+  assert (v == 1) == theory.timeprest_single_sequence(W, N)
+  if (W, N) in ((4, 2), (4, 4), (3, 3), (5, 3)):  # seed 003 Figures 7, 9, 10
+    assert v == theory.timeprest_version_difference(W, N)
+
+
+@FAST
+@given(W=st.integers(1, 8), N=st.integers(1, 5))
+def test_timeprest_vertical_sync_and_backward_priority(W, N):
+  B = 2 * W + 2
+  s = make("timeprest", W, N, B).validate()
+  assert s.backward_covers_minibatch
+  entry = {(t.minibatch, t.microbatch): t.tick for t in s.tasks
+           if t.kind == "F" and t.stage == 0}
+  for t in s.tasks:
+    if t.kind == "F":  # the latest complete version when it enters stage 0
+      assert s.task_version(t) == s.applied(0, entry[(t.minibatch,
+                                                      t.microbatch)])
+    else:
+      assert t.microbatch == 0
+      assert s.task_version(t) == s.version(t.minibatch, W - 1, "B")
+  last_b = {t.minibatch: t for t in s.tasks if t.kind == "B" and
+            t.stage == W - 1}
+  for p, t in last_b.items():  # the latest complete version at its start
+    assert s.task_version(t) == s.applied(0, t.tick)
+  # Backward priority: no stage runs a forward while a backward is ready.
+  ends = {(t.minibatch, t.stage, t.kind, t.microbatch): s.end_tick(t)
+          for t in s.tasks}
+  for t in s.tasks:
+    if t.kind != "B":
+      continue
+    ready = (max(ends[(t.minibatch, t.stage, "F", m)] for m in range(N))
+             if t.stage == W - 1 else ends[(t.minibatch, t.stage + 1, "B", 0)])
+    between = [u for u in s.tasks if u.stage == t.stage and
+               ready <= u.tick < t.tick]
+    assert not between, (t, between)
+
+
+def test_timeprest_matches_seed_003_text():
+  # Figure 7(a), W=4, N=2 (paper ids are ours + 1): "mini-batches 3 and 4 use
+  # weight updates from mini-batches 1 and 2 during backpropagation ...
+  # mini-batch 5 uses updates from mini-batch 3, however, in forward pass the
+  # updates from mini-batch 1".
+  a = make("timeprest", 4, 2, 8)
+  assert [a.version(p, 0, "B") for p in (2, 3, 4)] == [1, 2, 3]
+  assert a.version(4, 0, "F", 0) == 1
+  # Figure 7(b), W=4, N=4: "micro-batches C and D of mini-batch 3 start with
+  # the weights updated by mini-batch 1, different from A and B"; "mini-
+  # batches 2 and 3 use the updates from mini-batches 1 and 2 for backward".
+  b = make("timeprest", 4, 4, 6)
+  assert [b.version(2, 0, "F", m) for m in range(4)] == [0, 0, 1, 1]
+  assert [b.version(p, 0, "B") for p in (1, 2)] == [1, 2]
+  # §4.2: "backward passes are performed at each third and fifth time point".
+  for n, sched in ((2, a), (4, b)):
+    ticks = [t.tick for t in sched.tasks if t.stage == 0 and t.kind == "B"]
+    assert [y - x for x, y in zip(ticks, ticks[1:])][:3] == [n + 1] * 3
