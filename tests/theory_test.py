@@ -1,0 +1,111 @@
+"""Closed forms against independent brute-force computations."""
+
+import math
+
+from hypothesis import given, settings, strategies as st
+import numpy as np
+import pytest
+
+from stalepipe import theory
+
+FAST = settings(max_examples=25, deadline=None)
+
+
+def gpipe_grid_bubble(S, M):
+  """Idle slots of a NumPy rendering of GPipe's fill-and-drain timeline."""
+  T = 2 * (M + S - 1)
+  grid = np.zeros((S, T), dtype=bool)
+  for s in range(S):
+    grid[s, s:s + M] = True  # forwards
+    grid[s, T - s - M:T - s] = True  # backwards, mirrored
+  return 1 - grid.mean()
+
+
+@FAST
+@given(S=st.integers(1, 16), M=st.integers(1, 32))
+def test_gpipe_bubble(S, M):
+  assert theory.gpipe_bubble(S, M) == pytest.approx(gpipe_grid_bubble(S, M))
+
+
+def wsp_brute_force(D, s_local):
+  """The most missing updates over minibatches, from WSP's clock rules.
+
+  Minibatch p (0-based) of wave w = p // (s+1) starts once minibatch p - N_m
+  is done; the first s minibatches of a wave therefore start at local clock
+  w - 1, the last at clock w. At clock c the weights hold waves 0..c-D-1
+  (seed 001 §5).
+  """
+  wave = s_local + 1
+  worst = 0
+  for p in range(wave * (D + 6)):
+    w, i = divmod(p, wave)
+    clock = w if i == wave - 1 else max(w - 1, 0)
+    covered = max(0, clock - D) * wave
+    worst = max(worst, p - covered)
+  return worst
+
+
+@pytest.mark.parametrize("D", range(5))
+@pytest.mark.parametrize("s_local", range(1, 7))
+def test_wsp_global_staleness(D, s_local):
+  assert theory.wsp_global_staleness(D, s_local) == wsp_brute_force(D, s_local)
+
+
+def test_wsp_paper_example():
+  assert theory.wsp_global_staleness(0, 3) == 6  # seed 001 §5, Figure 3
+  assert theory.wsp_local_staleness(4) == 3
+
+
+def test_hetpipe_version_is_updates_0_to_p_minus_nm():
+  for n_m in range(1, 6):
+    for p in range(20):
+      assert theory.hetpipe_version(p, n_m) == len(range(0, p - n_m + 1))
+
+
+def timeprest_steady_brute_force(W, N):
+  """Smallest k with backwards N+1 ticks apart, W ticks long, not overlapping."""
+  k = 1
+  while k * (N + 1) < W:
+    k += 1
+  return k
+
+
+@pytest.mark.parametrize("W", range(2, 13))
+@pytest.mark.parametrize("N", range(1, 9))
+def test_timeprest_closed_forms(W, N):
+  steady = theory.timeprest_steady_version_difference(W, N)
+  assert steady == timeprest_steady_brute_force(W, N)
+  assert (steady == 1) == (W <= N + 1) == theory.timeprest_single_sequence(
+      W, N)
+  paper = theory.timeprest_version_difference(W, N)
+  assert paper == math.floor((W + N - 2) / N)
+  if N >= 2:  # the paper's domain (eq. 4): its v = 1 condition holds
+    assert (paper == 1) == theory.timeprest_single_sequence(W, N)
+
+
+def test_timeprest_paper_figures():
+  # Figure 7(a) W=4, N=2: v = 2; 7(b) N=4: v = 1; Fig. 9(a) W=3, N=3: v = 1;
+  # Fig. 10 W=5, N=3: v = 2.
+  for W, N, v in ((4, 2, 2), (4, 4, 1), (3, 3, 1), (5, 3, 2)):
+    assert theory.timeprest_version_difference(W, N) == v
+    assert theory.timeprest_steady_version_difference(W, N) == v
+
+
+def test_pipedream_forms():
+  for S in range(1, 8):
+    depths = [theory.pipedream_stash_depth(S, s) for s in range(S)]
+    assert depths == list(range(S, 0, -1))
+    assert [theory.pipedream_staleness(S, s) for s in range(S)] == [
+        d - 1 for d in depths]
+  assert [theory.pipedream_2bw_version(p) for p in range(5)] == [0, 0, 1, 2, 3]
+  assert theory.PIPEDREAM_2BW_VERSIONS == 2
+
+
+@pytest.mark.parametrize("fn,args", [
+    (theory.wsp_global_staleness, (-1, 3)),
+    (theory.timeprest_version_difference, (4, 0.5)),
+    (theory.hetpipe_version, (3, -2)),
+])
+def test_bad_input_raises(fn, args):
+  with pytest.raises(ValueError, match="is invalid"):
+    fn(*args)
