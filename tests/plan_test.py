@@ -101,6 +101,12 @@ def test_partition_matches_brute_force(name, seed, concurrent):
   assert list(plan.memory_bytes) == memory
   assert all(m <= d.spec.memory_bytes for m, d in zip(memory, plan.devices))
   assert sorted(plan.devices) == sorted(devices)
+  ends = list(plan.boundaries[1:]) + [7]
+  p = profiles["F"]
+  assert list(plan.param_bytes) == [sum(p.param_bytes[b:e]) for b, e in
+                                    zip(plan.boundaries, ends)]
+  assert list(plan.activation_bytes) == [p.output_bytes[e - 1] for e in
+                                         ends[:-1]] + [0]
 
 
 def test_memory_binds_and_moves_the_optimum():

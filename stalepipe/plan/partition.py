@@ -39,6 +39,8 @@ class Plan(NamedTuple):
   recv_activation_s: tuple[float, ...]  # receiving the input (0 at stage 0)
   recv_gradient_s: tuple[float, ...]  # receiving the output's gradient (0 last)
   memory_bytes: tuple[int, ...]  # memory each stage needs
+  param_bytes: tuple[int, ...]  # parameters of each stage
+  activation_bytes: tuple[int, ...]  # output each stage sends on (last: 0)
   concurrent: int  # N_m, the minibatches in flight the memory is sized for
 
   @property
@@ -366,7 +368,8 @@ def _plan(stages, problem, profiles, network, concurrent,
   devices = tuple(next(taken[t]) for t, _, _ in stages)
   k = len(stages)
   columns = {"forward_s": [], "backward_s": [], "recv_activation_s": [],
-             "recv_gradient_s": [], "memory_bytes": []}
+             "recv_gradient_s": [], "memory_bytes": [], "param_bytes": [],
+             "activation_bytes": []}
   for s, ((_, b, e), d) in enumerate(zip(stages, devices)):
     p = profiles[d.spec.name]
     columns["forward_s"].append(float(sum(p.forward_s[b:e])))
@@ -379,6 +382,9 @@ def _plan(stages, problem, profiles, network, concurrent,
                                                devices[s + 1].node == d.node))
     columns["memory_bytes"].append(
         stage_memory(p, b, e, s, concurrent, optimizer_slots))
+    columns["param_bytes"].append(sum(p.param_bytes[b:e]))
+    columns["activation_bytes"].append(0 if s == k - 1
+                                       else p.output_bytes[e - 1])
   return Plan(boundaries=tuple(b for _, b, _ in stages), devices=devices,
               concurrent=concurrent,
               **{k: tuple(v) for k, v in columns.items()})
