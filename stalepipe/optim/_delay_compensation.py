@@ -198,7 +198,7 @@ def delay_compensation(
     if stale_params is None and delay == 0:
       raise ValueError("delay_compensation(delay=0) got stale_params=None; "
                        "valid: pass stale_params= or use delay >= 1")
-    slot = state.count % max(delay, 1)
+    slot = 0 if delay <= 1 else state.count % delay  # static: in-place update
     if stale_params is None:
       then = jax.tree.map(lambda h: h[slot], state.history)
       ready = state.count >= delay

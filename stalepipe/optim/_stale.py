@@ -89,12 +89,15 @@ def stale_gradients(delay: Delay) -> optax.GradientTransformation:
     del params
     delays = leaf_delays(delay, updates)
 
+    # A static slot for delay 1 lets XLA update the buffer in place.
+    slot = lambda d: 0 if d == 1 else state.count % d  # pylint: disable=unnecessary-lambda-assignment
+
     def emit(d, g, buf):
       # Zeros in the initial buffer make the warm-up output zero.
-      return g if d == 0 else buf[state.count % d].astype(g.dtype)
+      return g if d == 0 else buf[slot(d)].astype(g.dtype)
 
     def store(d, g, buf):
-      return buf if d == 0 else buf.at[state.count % d].set(g.astype(buf.dtype))
+      return buf if d == 0 else buf.at[slot(d)].set(g.astype(buf.dtype))
 
     stale = jax.tree.map(emit, delays, updates, state.buffer)
     buffer = jax.tree.map(store, delays, updates, state.buffer)

@@ -134,16 +134,18 @@ class WeightPrediction:
     return jax.tree.map(one, self._stale_mask(tree), tree)
 
   def init(self, params: optax.Params) -> WeightPredictionState:
-    zeros = optax.tree.zeros_like(params)
+    # Fresh buffers per field (no aliasing of params), so states can be donated.
+    zeros = lambda: optax.tree.zeros_like(params)  # pylint: disable=unnecessary-lambda-assignment
     delays = jax.tree.map(int, self._stale_mask(params))
     return WeightPredictionState(
         count=jnp.zeros([], jnp.int32),
         inner_state=self._opt.init(params),
         in_flight=_stale.stale_gradients(delays).init(params),
-        applied=self._keep(zeros, self._option in (2, 3)),
-        local=self._keep(zeros, self._option in (1, 3)),
-        prev_local=self._keep(zeros, self._option == 3),
-        prev_params=self._keep(params, self._option == 3))
+        applied=self._keep(zeros(), self._option in (2, 3)),
+        local=self._keep(zeros(), self._option in (1, 3)),
+        prev_local=self._keep(zeros(), self._option == 3),
+        prev_params=self._keep(jax.tree.map(jnp.array, params),
+                               self._option == 3))
 
   def predicted_gradient(self, state: WeightPredictionState,
                          params: optax.Params) -> optax.Updates:

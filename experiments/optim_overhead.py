@@ -1,0 +1,145 @@
+"""Overhead of staleness compensation in a full jitted training step.
+
+Times, in one run and interleaved, a jitted SGD-momentum training step
+(forward + backward + update) of a >= 10M-parameter MLP without compensation
+and with: stale buffer + DC (diagonal, full), stale buffer + WP (options 1, 3).
+Reports the share of the step spent on compensation, (t - t_base) / t, and the
+optimizer-state bytes per parameter of every transform in `stalepipe.optim`.
+
+  .venv/bin/python experiments/optim_overhead.py [--batch 256] [--repeats 15]
+"""
+
+import argparse
+import json
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import stalepipe as sp
+
+
+def mlp_params(key, widths):
+  keys = jax.random.split(key, len(widths) - 1)
+  return [{"w": jax.random.normal(k, (i, o), jnp.float32) / np.sqrt(i),
+           "b": jnp.zeros((o,), jnp.float32)}
+          for k, i, o in zip(keys, widths[:-1], widths[1:])]
+
+
+def loss_fn(params, x_BxI, y_B):
+  for layer in params[:-1]:
+    x_BxI = jax.nn.relu(x_BxI @ layer["w"] + layer["b"])
+  logits_BxC = x_BxI @ params[-1]["w"] + params[-1]["b"]
+  return optax.softmax_cross_entropy_with_integer_labels(logits_BxC, y_B).mean()
+
+
+def plain_step(opt):
+  def step(params, state, x, y):
+    grads = jax.grad(loss_fn)(params, x, y)
+    updates, state = opt.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+  return opt.init, step
+
+
+def wp_step(wp):
+  def step(params, state, x, y):
+    grads = jax.grad(loss_fn)(wp.predict(state, params), x, y)
+    updates, state = wp.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+  return wp.init, step
+
+
+def state_bytes_per_param(transform_init, params):
+  num = sum(x.size for x in jax.tree.leaves(params))
+  state = jax.eval_shape(transform_init, params)
+  return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state)) / num
+
+
+def main():
+  parser = argparse.ArgumentParser()
+  parser.add_argument("--batch", type=int, default=256)
+  parser.add_argument("--width", type=int, default=2048)
+  parser.add_argument("--repeats", type=int, default=15)
+  args = parser.parse_args()
+  widths = [1024] + [args.width] * 4 + [10]
+  params = mlp_params(jax.random.key(0), widths)
+  num_params = sum(x.size for x in jax.tree.leaves(params))
+  sgd = lambda: optax.sgd(0.01, 0.9)  # pylint: disable=unnecessary-lambda-assignment
+  variants = {
+      "baseline (sgd momentum)": plain_step(sgd()),
+      "stale + DC diagonal": plain_step(optax.chain(
+          sp.optim.stale_gradients(1), sp.optim.delay_compensation(0.2),
+          sgd())),
+      "stale + DC full": plain_step(optax.chain(
+          sp.optim.stale_gradients(1),
+          sp.optim.delay_compensation(0.2, form="full"), sgd())),
+      "stale + WP option 1": wp_step(sp.optim.WeightPrediction(sgd(), 1)),
+      "stale + WP option 3": wp_step(sp.optim.WeightPrediction(
+          sgd(), 3, num_workers=4)),
+  }
+  rng = np.random.default_rng(0)
+  x = jnp.asarray(rng.normal(size=(args.batch, widths[0])), jnp.float32)
+  y = jnp.asarray(rng.integers(0, 10, args.batch), jnp.int32)
+  runs = {}
+  for name, (init, step) in variants.items():
+    p = jax.tree.map(jnp.copy, params)
+    fn = jax.jit(step, donate_argnums=(0, 1))
+    runs[name] = [fn, p, init(p)]
+    for _ in range(2):  # compile + warm-up
+      runs[name][1], runs[name][2] = fn(*runs[name][1:], x, y)
+    jax.block_until_ready(runs[name][1])
+  times = {name: [] for name in variants}
+  for _ in range(args.repeats):  # interleaved, so load drifts hit all alike
+    for name, run in runs.items():
+      start = time.perf_counter()
+      run[1], run[2] = run[0](run[1], run[2], x, y)
+      jax.block_until_ready(run[1])
+      times[name].append(time.perf_counter() - start)
+  base = np.median(times["baseline (sgd momentum)"])
+  print(f"MLP {widths}: {num_params / 1e6:.1f}M params, batch {args.batch}, "
+        f"{args.repeats} interleaved repeats, {jax.devices()[0].platform}")
+  print("| step | median ms | compensation share (t - t_base) / t |")
+  print("|---|---|---|")
+  results = {}
+  for name, ts in times.items():
+    med = float(np.median(ts))
+    share = (med - base) / med
+    results[name] = {"median_s": med, "share": share}
+    print(f"| {name} | {1e3 * med:.1f} | "
+          f"{'-' if name.startswith('baseline') else f'{100 * share:.1f}%'} |")
+
+  transforms = {
+      "stale_gradients(1)": sp.optim.stale_gradients(1).init,
+      "delay_compensation diagonal/full (delay=1)":
+          sp.optim.delay_compensation(0.2).init,
+      "delay_compensation(adaptive='ema')":
+          sp.optim.delay_compensation(0.2, adaptive="ema").init,
+      "delay_compensation(delay=0), stale_params given":
+          sp.optim.delay_compensation(0.2, delay=0).init,
+      "WeightPrediction option 1 (incl. its stale buffer)":
+          sp.optim.WeightPrediction(optax.identity(), 1).init,
+      "WeightPrediction option 2 (incl. its stale buffer)":
+          sp.optim.WeightPrediction(optax.identity(), 2).init,
+      "WeightPrediction option 3 (incl. its stale buffer)":
+          sp.optim.WeightPrediction(optax.identity(), 3).init,
+      "wave_accumulation": sp.optim.wave_accumulation(4).init,
+      "scale_by_staleness": sp.optim.scale_by_staleness(2).init,
+      "scale_by_variance_reduced_adam": (
+          sp.optim.scale_by_variance_reduced_adam(4).init),
+      "reference: optax.scale_by_adam": optax.scale_by_adam().init,
+      "reference: optax.sgd(momentum=0.9)": optax.sgd(0.1, 0.9).init,
+  }
+  print("\n| transform (float32 params) | state bytes / param |")
+  print("|---|---|")
+  memory = {}
+  for name, init in transforms.items():
+    memory[name] = state_bytes_per_param(init, params)
+    print(f"| {name} | {memory[name]:.2f} |")
+  print(json.dumps({"params": num_params, "batch": args.batch,
+                    "steps": results, "bytes_per_param": memory}))
+
+
+if __name__ == "__main__":
+  main()
