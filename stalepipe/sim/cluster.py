@@ -1,0 +1,211 @@
+"""What the simulator runs on: devices, links and the per-stage cost model.
+
+A cluster is a grid of devices, `pipelines x stages` (seed 001 §3: a virtual
+worker is one pipeline; seed 002 §3: worker `(j, i)` is stage `j` of pipeline
+`i`). Every device has a speed (work per second relative to the reference
+device the costs were measured on), a memory size and a node. Two devices on
+one node talk over the intra-node link (PCIe), devices on different nodes
+over the inter-node link (InfiniBand, Ethernet), as in seed 001 §8.1.
+
+The cost model gives, per stage, the forward and backward seconds of one
+micro-batch on the reference device, the bytes of the activation a stage sends
+to the next (the gradient sent back has the same size), the bytes of the
+stage's parameters (what a sync policy moves) and the optimizer step's
+seconds.
+"""
+
+import dataclasses
+import math
+from typing import Sequence
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class Link:
+  r"""A network link: moving :math:`n` bytes takes :math:`\alpha + n/\beta`.
+
+  Attributes:
+    bandwidth: :math:`\beta`, bytes per second.
+    latency: :math:`\alpha`, seconds per message.
+
+  Examples:
+    >>> Link(bandwidth=1e9, latency=1e-3).seconds(2e9)
+    2.001
+  """
+
+  bandwidth: float
+  latency: float = 0.0
+
+  def __post_init__(self):
+    if not self.bandwidth > 0:
+      raise ValueError(f"bandwidth={self.bandwidth!r} is invalid; it must be "
+                       "> 0 bytes/s")
+    if not self.latency >= 0:
+      raise ValueError(f"latency={self.latency!r} is invalid; it must be >= 0")
+
+  def seconds(self, num_bytes: float) -> float:
+    return self.latency + num_bytes / self.bandwidth
+
+
+@dataclasses.dataclass(frozen=True)
+class Device:
+  """One accelerator.
+
+  Attributes:
+    name: e.g. "V" for a TITAN V (seed 001 §8.1 naming).
+    speed: work per second relative to the reference device of the costs.
+    memory_bytes: device memory.
+    node: the node it sits in.
+  """
+
+  name: str = "gpu"
+  speed: float = 1.0
+  memory_bytes: float = math.inf
+  node: int = 0
+
+  def __post_init__(self):
+    if not self.speed > 0:
+      raise ValueError(f"speed={self.speed!r} of device {self.name!r} is "
+                       "invalid; it must be > 0")
+
+
+def ring_allreduce_seconds(num_bytes: float, num_workers: int,
+                           link: Link) -> float:
+  r"""Ring all-reduce of `num_bytes` among `num_workers` over `link`.
+
+  Reduce-scatter then all-gather, :math:`2(n-1)` steps of :math:`b/n` bytes:
+
+  .. math:: 2\frac{n-1}{n}\frac{b}{\beta} + 2(n-1)\alpha
+
+  References:
+    Patarasuk and Yuan, Bandwidth optimal all-reduce algorithms for clusters
+    of workstations <https://doi.org/10.1016/j.jpdc.2008.09.002>, 2009
+
+  Examples:
+    >>> ring_allreduce_seconds(4e9, 4, Link(bandwidth=1e9, latency=0.0))
+    6.0
+    >>> ring_allreduce_seconds(4e9, 1, Link(bandwidth=1e9))
+    0.0
+  """
+  n = num_workers
+  if n < 1:
+    raise ValueError(f"num_workers={n!r} is invalid; it must be >= 1")
+  return 2 * (n - 1) / n * num_bytes / link.bandwidth + 2 * (n - 1) * link.latency
+
+
+@dataclasses.dataclass(frozen=True)
+class Cluster:
+  """Devices `[pipeline][stage]` and the links between them.
+
+  Attributes:
+    devices: `devices[i][s]` runs stage `s` of pipeline `i`.
+    intra: the link between devices of one node.
+    inter: the link between nodes (also what a group of devices spanning
+      nodes all-reduces over).
+    ps: the link into a parameter server shard (seed 001 §8.1 places one
+      shard per node; "ED-local" puts a stage's shard on that stage's node,
+      so `ps` is the intra-node link there).
+  """
+
+  devices: tuple[tuple[Device, ...], ...]
+  intra: Link = Link(bandwidth=15.75e9, latency=10e-6)
+  inter: Link = Link(bandwidth=56e9 / 8, latency=20e-6)
+  ps: Link = Link(bandwidth=56e9 / 8, latency=20e-6)
+
+  def __post_init__(self):
+    widths = {len(row) for row in self.devices}
+    if not self.devices or len(widths) != 1 or 0 in widths:
+      raise ValueError(f"devices has rows of lengths {sorted(widths)}; it must "
+                       "be a non-empty [pipelines][stages] grid")
+
+  @classmethod
+  def grid(cls, num_pipelines: int, num_stages: int, *,
+           device: Device = Device(), devices_per_node: int | None = None,
+           **links) -> "Cluster":
+    """`num_pipelines x num_stages` copies of `device`, pipeline-major on nodes.
+
+    Examples:
+      >>> c = Cluster.grid(2, 4, devices_per_node=4)
+      >>> [d.node for row in c.devices for d in row]
+      [0, 0, 0, 0, 1, 1, 1, 1]
+    """
+    per_node = devices_per_node or num_pipelines * num_stages
+    rows = tuple(
+        tuple(dataclasses.replace(device, node=(i * num_stages + s) // per_node)
+              for s in range(num_stages)) for i in range(num_pipelines))
+    return cls(rows, **links)
+
+  @property
+  def num_pipelines(self) -> int:
+    return len(self.devices)
+
+  @property
+  def num_stages(self) -> int:
+    return len(self.devices[0])
+
+  @property
+  def speed(self) -> np.ndarray:
+    """`[pipelines, stages]` device speeds."""
+    return np.array([[d.speed for d in row] for row in self.devices])
+
+  def link(self, a: Device, b: Device) -> Link:
+    return self.intra if a.node == b.node else self.inter
+
+  def group_link(self, stage: int, pipelines: Sequence[int]) -> Link:
+    """The link a group of one stage's devices all-reduces over (its slowest)."""
+    nodes = {self.devices[i][stage].node for i in pipelines}
+    return self.intra if len(nodes) == 1 else self.inter
+
+
+@dataclasses.dataclass(frozen=True)
+class StageCosts:
+  """Per-stage costs on the reference device (speed 1).
+
+  Attributes:
+    forward: seconds of one micro-batch's forward, per stage.
+    backward: seconds of one micro-batch's backward, per stage.
+    activation_bytes: bytes stage `s` sends to stage `s+1` per micro-batch
+      (the last entry, the loss side, is ignored).
+    param_bytes: bytes of each stage's parameters (what syncs move).
+    update: seconds of one optimizer step, per stage.
+    samples_per_microbatch: samples in one micro-batch (for samples/s).
+  """
+
+  forward: tuple[float, ...]
+  backward: tuple[float, ...]
+  activation_bytes: tuple[float, ...] = ()
+  param_bytes: tuple[float, ...] = ()
+  update: tuple[float, ...] = ()
+  samples_per_microbatch: int = 1
+
+  def __post_init__(self):
+    S = len(self.forward)
+    for name in ("backward", "activation_bytes", "param_bytes", "update"):
+      value = getattr(self, name)
+      if not value:
+        object.__setattr__(self, name, (0.0,) * S)
+      elif len(value) != S:
+        raise ValueError(f"{name} has {len(value)} entries; it must have one "
+                         f"per stage ({S})")
+    if min(self.forward + self.backward + self.update) < 0:
+      raise ValueError("forward, backward and update seconds must be >= 0")
+
+  @classmethod
+  def uniform(cls, num_stages: int, forward: float = 1.0,
+              backward: float = 1.0, **kwargs) -> "StageCosts":
+    """The same costs on every stage; scalar `kwargs` are repeated too.
+
+    Examples:
+      >>> StageCosts.uniform(2, forward=1.0, backward=2.0, param_bytes=8).param_bytes
+      (8, 8)
+    """
+    per_stage = {k: (v,) * num_stages if np.isscalar(v) and
+                 k != "samples_per_microbatch" else v
+                 for k, v in kwargs.items()}
+    return cls(forward=(forward,) * num_stages,
+               backward=(backward,) * num_stages, **per_stage)
+
+  @property
+  def num_stages(self) -> int:
+    return len(self.forward)

@@ -1,0 +1,299 @@
+"""The time side of sync policies: who syncs with whom, when, and at what cost.
+
+Pipelines are replicas along the data axis. After stage `s` of every pipeline
+has finished the backward of minibatch `p` (its *ready* time), the simulator
+asks the policy's runner for `sync(s, p, ready)`: the groups that exchange
+parameters, the communication intervals, and the time at which version
+`p + 1` of stage `s` is in place on each pipeline (*applied*). Tasks that read
+that version wait for it. A runner may also *gate* a minibatch (WSP's clock
+distance) and may declare updates of other pipelines that every replica is
+guaranteed to reflect (`floor`, for observed staleness).
+
+Decisions (groups, matchings, gates) are pure functions in the policy modules;
+the simulator's clock bookkeeping lives in `stalepipe.sim.engine`. A later
+issue's numerical `stalepipe.sync` can reuse these decisions.
+
+This module holds the common interface and the fixed-topology policies:
+`isolated` (no sync), `bsp` (ring all-reduce every iteration),
+`parameter_server` (synchronous push/pull through a PS), `ad_psgd` (random
+pairwise averaging) and `local_sgd(H)`.
+"""
+
+import dataclasses
+from typing import NamedTuple
+
+import numpy as np
+
+from stalepipe.sim import cluster as cluster_lib
+
+
+class CommEvent(NamedTuple):
+  """Communication intervals of some pipelines' copies of one stage."""
+
+  pipelines: np.ndarray  # [k] int
+  start: np.ndarray  # [k] seconds
+  end: np.ndarray  # [k] seconds
+
+
+class SyncOutcome(NamedTuple):
+  """What one sync of one stage after one minibatch did."""
+
+  applied: np.ndarray  # [N] time the new version is in place per pipeline
+  groups: tuple[np.ndarray, ...] = ()  # pipelines that averaged together
+  comm: tuple[CommEvent, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Context:
+  """What a runner may look at: the cluster, the costs and a seeded Generator."""
+
+  cluster: cluster_lib.Cluster
+  costs: cluster_lib.StageCosts
+  num_minibatches: int
+  rng: np.random.Generator
+
+  @property
+  def num_pipelines(self) -> int:
+    return self.cluster.num_pipelines
+
+  def group_seconds(self, stage: int, pipelines) -> float:
+    """Ring all-reduce (model averaging) of the stage's parameters in a group."""
+    return cluster_lib.ring_allreduce_seconds(
+        self.costs.param_bytes[stage], len(pipelines),
+        self.cluster.group_link(stage, pipelines))
+
+  def ps_seconds(self, stage: int) -> float:
+    """One push or pull of the stage's parameters to its parameter-server shard."""
+    return self.cluster.ps.seconds(self.costs.param_bytes[stage])
+
+
+def fifo(arrivals: np.ndarray, service: float) -> np.ndarray:
+  r"""Finish times of jobs served one at a time, first come first served.
+
+  .. math:: f_k = \max(a_k, f_{k-1}) + c
+
+  Examples:
+    >>> fifo(np.array([0.0, 0.5, 5.0]), 1.0).tolist()
+    [1.0, 2.0, 6.0]
+  """
+  order = np.argsort(arrivals, kind="stable")
+  k = np.arange(len(arrivals))
+  finish = np.empty(len(arrivals))
+  finish[order] = (k + 1) * service + np.maximum.accumulate(
+      arrivals[order] - k * service)
+  return finish
+
+
+def averaged(ctx: Context, stage: int, group: np.ndarray, start: float
+             ) -> tuple[float, CommEvent]:
+  """A group averages its models by ring all-reduce from `start`: (end, event)."""
+  end = start + ctx.group_seconds(stage, group)
+  n = len(group)
+  return end, CommEvent(group, np.full(n, start), np.full(n, end))
+
+
+class Runner:
+  """One simulation's policy state; the default never syncs."""
+
+  gates = False  # whether `gate` can delay a minibatch
+
+  def __init__(self, ctx: Context):
+    self.ctx = ctx
+
+  def sync(self, stage: int, minibatch: int, ready: np.ndarray) -> SyncOutcome:
+    del stage, minibatch
+    return SyncOutcome(applied=ready)
+
+  def gate(self, stage: int, minibatch: int) -> float:
+    """Earliest start of the minibatch's first task on the stage, all pipelines."""
+    del stage, minibatch
+    return -np.inf
+
+  def floor(self, stage: int, starts: np.ndarray) -> np.ndarray:
+    """Updates of every pipeline a task starting at `starts` surely reflects."""
+    del stage
+    return np.zeros(starts.shape, dtype=int)
+
+  def extras(self) -> dict:
+    """Policy-specific records for the result (clocks, groups, ...)."""
+    return {}
+
+
+@dataclasses.dataclass(frozen=True)
+class Isolated:
+  """Pipelines never sync (a single pipeline, or independent replicas)."""
+
+  name = "isolated"
+
+  def start(self, ctx: Context) -> Runner:
+    return Runner(ctx)
+
+
+class _BSPRunner(Runner):
+
+  def __init__(self, ctx: Context, every: int):
+    super().__init__(ctx)
+    self.every = every
+    self.everyone = np.arange(ctx.num_pipelines)
+
+  def sync(self, stage, minibatch, ready):
+    if (minibatch + 1) % self.every:
+      return SyncOutcome(applied=ready)
+    end, event = averaged(self.ctx, stage, self.everyone, ready.max())
+    return SyncOutcome(np.full(len(ready), end), (self.everyone,), (event,))
+
+
+@dataclasses.dataclass(frozen=True)
+class BSP:
+  r"""All-reduce of every stage's gradients across pipelines every iteration.
+
+  Every copy of stage `s` waits for the slowest, then a ring all-reduce of the
+  stage's parameter bytes :math:`b_s` over the group's slowest link:
+
+  .. math:: t = \max_i r_i + 2\frac{N-1}{N}\frac{b_s}{\beta} + 2(N-1)\alpha
+
+  References:
+    Sergeev and Del Balso, Horovod: fast and easy distributed deep learning
+    in TensorFlow <https://arxiv.org/abs/1802.05799>, 2018 (seed 001 §8.3's
+    baseline; seed 002 §5.1's All-Reduce+Pipe)
+  """
+
+  name = "bsp"
+
+  def start(self, ctx: Context) -> Runner:
+    return _BSPRunner(ctx, every=1)
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalSGD:
+  """Pipelines train alone and average all models every `period` iterations.
+
+  References:
+    Stich, Local SGD converges fast and communicates little
+    <https://arxiv.org/abs/1805.09767>, 2019 (seed 002 §3.2: group size 1)
+  """
+
+  period: int
+  name = "local_sgd"
+
+  def __post_init__(self):
+    if not isinstance(self.period, int) or self.period < 1:
+      raise ValueError(f"period={self.period!r} is invalid; it must be an "
+                       "integer >= 1")
+
+  def start(self, ctx: Context) -> Runner:
+    return _BSPRunner(ctx, every=self.period)
+
+
+class _PSRunner(Runner):
+
+  def sync(self, stage, minibatch, ready):
+    service = self.ctx.ps_seconds(stage)
+    pushed = fifo(ready, service)
+    pulled = fifo(np.full(len(ready), pushed.max()), service)
+    everyone = np.arange(len(ready))
+    return SyncOutcome(pulled, (everyone,),
+                       (CommEvent(everyone, pushed - service, pushed),
+                        CommEvent(everyone, pulled - service, pulled)))
+
+
+@dataclasses.dataclass(frozen=True)
+class ParameterServer:
+  r"""Synchronous parameter server: every pipeline pushes, then pulls.
+
+  The stage's shard serves one push (or pull) of :math:`b_s` bytes at a time
+  over its link, so :math:`N` replicas cost :math:`2N(\alpha + b_s/\beta)`
+  once the last has pushed: the central bottleneck of seed 002 §1.
+
+  References:
+    Li et al, Scaling distributed machine learning with the parameter server
+    <https://www.usenix.org/conference/osdi14/technical-sessions/presentation/li_mu>,
+    2014 (seed 001 §5)
+  """
+
+  name = "parameter_server"
+
+  def start(self, ctx: Context) -> Runner:
+    return _PSRunner(ctx)
+
+
+def random_pairs(num_pipelines: int, rng: np.random.Generator
+                 ) -> list[np.ndarray]:
+  """A random matching of the pipelines into pairs (one left alone if odd).
+
+  Examples:
+    >>> sorted(len(g) for g in random_pairs(5, np.random.default_rng(0)))
+    [1, 2, 2]
+  """
+  order = rng.permutation(num_pipelines)
+  return [order[k:k + 2] for k in range(0, num_pipelines, 2)]
+
+
+class _ADPSGDRunner(Runner):
+
+  def __init__(self, ctx):
+    super().__init__(ctx)
+    nodes = np.array([[d.node for d in row] for row in ctx.cluster.devices])
+    self.nodes = nodes.T  # [S, N]
+    self.seconds = {same: [cluster_lib.ring_allreduce_seconds(
+        b, 2, ctx.cluster.intra if same else ctx.cluster.inter)
+                           for b in ctx.costs.param_bytes]
+                    for same in (False, True)}
+
+  def sync(self, stage, minibatch, ready):
+    pairs = [p for p in random_pairs(len(ready), self.ctx.rng) if len(p) == 2]
+    if not pairs:
+      return SyncOutcome(applied=ready)
+    pairs = np.stack(pairs)
+    start = ready[pairs].max(axis=1)
+    nodes = self.nodes[stage][pairs]
+    end = start + np.where(nodes[:, 0] == nodes[:, 1],
+                           self.seconds[True][stage],
+                           self.seconds[False][stage])
+    applied = ready.copy()
+    applied[pairs] = end[:, None]
+    event = CommEvent(pairs.ravel(), np.repeat(start, 2), np.repeat(end, 2))
+    return SyncOutcome(applied, tuple(pairs), (event,))
+
+
+@dataclasses.dataclass(frozen=True)
+class ADPSGD:
+  """Each iteration, every stage's replicas average in random pairs.
+
+  Partners wait for each other, then exchange models (a ring of two).
+
+  References:
+    Lian et al, Asynchronous decentralized parallel stochastic gradient
+    descent <https://arxiv.org/abs/1710.06952>, 2018 (seed 002 §5.1:
+    "synchronizes after each mini-batch but with only a neighboring worker")
+  """
+
+  name = "ad_psgd"
+
+  def start(self, ctx: Context) -> Runner:
+    return _ADPSGDRunner(ctx)
+
+
+def isolated() -> Isolated:
+  """No sync across pipelines."""
+  return Isolated()
+
+
+def bsp() -> BSP:
+  """Ring all-reduce every iteration (see `BSP`)."""
+  return BSP()
+
+
+def parameter_server() -> ParameterServer:
+  """Synchronous push/pull through a parameter server (see `ParameterServer`)."""
+  return ParameterServer()
+
+
+def ad_psgd() -> ADPSGD:
+  """Random pairwise averaging every iteration (see `ADPSGD`)."""
+  return ADPSGD()
+
+
+def local_sgd(period: int) -> LocalSGD:
+  """Averaging of all replicas every `period` iterations (see `LocalSGD`)."""
+  return LocalSGD(period)

@@ -1,0 +1,102 @@
+"""Long schedules by tiling a short one's periodic steady state.
+
+Simulating thousands of iterations needs a schedule over thousands of
+minibatches. The greedy schedules are causal (adding minibatches never changes
+what happens before the new ones enter) and settle into a steady state where
+minibatch `p + 1` does exactly what `p` did, `period` ticks later, reading a
+version one higher. `tile` finds that steady state in a short schedule and
+repeats it: the warm-up minibatches are copied, the steady ones repeated, and
+the drain (the last minibatches) shifted to the end. The result equals
+building the long schedule directly (the tests check this), in time linear in
+the number of minibatches.
+"""
+
+import collections
+
+from stalepipe.schedules import core
+
+
+def _signatures(schedule: core.Schedule):
+  """Per minibatch: first tick and its tasks relative to it (tick, version)."""
+  tasks = collections.defaultdict(list)
+  for t in schedule.tasks:
+    tasks[t.minibatch].append(t)
+  first, signature = [], []
+  for p in range(schedule.num_minibatches):
+    t0 = min(t.tick for t in tasks[p])
+    first.append(t0)
+    signature.append(tuple(sorted(
+        (t.tick - t0, t.stage, t.kind, t.microbatch,
+         p - schedule.task_version(t)) for t in tasks[p])))
+  return first, signature, tasks
+
+
+def _steady(first, signature, K):
+  """`(a, q, shift)`: minibatches from `a` on repeat every `q` minibatches, `shift` ticks."""
+  for q in range(1, K // 3 + 1):
+    same = [p for p in range(K - q) if signature[p] == signature[p + q]]
+    if len(same) < q + 1 or same != list(range(same[0], same[-1] + 1)):
+      continue
+    shifts = {first[p + q] - first[p] for p in same}
+    if len(shifts) == 1:
+      return same[0], q, shifts.pop(), same[-1] + q
+  return None
+
+
+def tile(schedule: core.Schedule, num_minibatches: int) -> core.Schedule:
+  """`schedule` stretched to `num_minibatches` by repeating its steady state.
+
+  The steady state is a block of `q` minibatches that repeats, each copy
+  `shift` ticks after the last and reading versions `q` higher.
+
+  Args:
+    schedule: a causal schedule long enough to show its steady state at
+      least twice before its drain.
+    num_minibatches: B of the result (at least `schedule.num_minibatches`).
+
+  Returns:
+    The schedule over `num_minibatches`.
+
+  Examples:
+    >>> import stalepipe as sp
+    >>> short = sp.schedules.make("1f1b", num_stages=2, num_microbatches=2,
+    ...                           num_minibatches=8)
+    >>> tile(short, 20).tasks == short.with_minibatches(20).tasks
+    True
+  """
+  K = schedule.num_minibatches
+  if num_minibatches < K:
+    raise ValueError(f"num_minibatches={num_minibatches!r} is invalid; it must "
+                     f"be >= the pattern's {K}")
+  first, signature, tasks = _signatures(schedule)
+  found = _steady(first, signature, K)
+  if found is None:
+    raise ValueError(f"schedule {schedule.name!r} over {K} minibatches shows "
+                     "no steady state; build it over more minibatches")
+  a, q, shift, b = found  # minibatches a..b-1 are steady
+  extra = num_minibatches - K
+  if extra % q:
+    return tile(schedule.with_minibatches(K + extra % q), num_minibatches)
+  out, versions = [], {}
+
+  def add(task, version):
+    out.append(task)
+    versions[(task.minibatch, task.stage, task.kind, task.microbatch)] = version
+
+  for p in range(b):
+    for t in tasks[p]:
+      add(t, schedule.task_version(t))
+  for p in range(b, b + extra):
+    copies, src = divmod(p - a, q)
+    for t in tasks[a + src]:
+      add(t._replace(tick=t.tick + copies * shift, minibatch=p),
+          schedule.task_version(t) + copies * q)
+  for p in range(b, K):
+    for t in tasks[p]:
+      add(t._replace(tick=t.tick + extra // q * shift, minibatch=p + extra),
+          schedule.task_version(t) + extra)
+  out.sort(key=lambda t: (t.tick, t.stage))
+  return core.Schedule(
+      schedule.name, schedule.num_stages, schedule.num_microbatches,
+      num_minibatches, tuple(out), versions, dict(schedule.durations),
+      schedule.backward_covers_minibatch, dict(schedule.options))
