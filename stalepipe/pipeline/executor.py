@@ -1,23 +1,29 @@
-"""The shard_map executor: one jitted SPMD program runs a whole schedule.
+"""The shard_map executor: one jitted SPMD program runs any schedule.
 
-The mesh has axes ('data', 'stage'). Each stage's parameters and optimizer
-state live on its 'stage' slice, packed into flat per-dtype buffers
-(`packing.py`) so that stages of different structure share one program. A
-`lax.scan` over ticks runs, on every stage, the task its row of the
-instruction tables names (`program.py`):
+The mesh has axes ('data', 'stage'). Each stage's weight versions, optimizer
+state and gradient accumulator live on its 'stage' slice, packed into flat
+per-dtype buffers (`packing.py`) so that stages of different structure share
+one program. A `lax.scan` over the ticks of a window runs, on every stage, the
+task its row of the instruction tables names (`program.py`):
 
-- F: the stage function on the input (stage 0: the window's inputs; others:
-  the activation buffer slot), sending the output to the next stage;
-- B: the backward, recomputing the forward from the stashed input, with the
-  cotangent from the next stage (last stage: the loss) and sending the input's
-  cotangent to the previous stage; parameter gradients accumulate;
+- F: the stage function on its input (stage 0: the window's inputs; others:
+  the buffer slot the input arrived in), sending the output on;
+- B: the backward, recomputing the forward from the kept input, with the
+  cotangent from the next stage (last stage: the loss), sending the input's
+  cotangent back; parameter gradients accumulate (nF1B: one backward covers
+  all micro-batches of a minibatch);
 - FB: forward and backward fused on the last stage;
 - update: at the end of the tick in which the stage's last backward of a
   minibatch finishes, gradients are averaged over 'data' and the optimizer
-  steps.
+  steps, writing the new weight version into the stash ring.
 
-Activations and cotangents move one hop per tick with `ppermute` along
-'stage' and wait in per-stage buffers until their task runs.
+Every task reads the weight version the schedule's version map names, from a
+ring of R versions per stage (R: the schedule's stash depth). Activations and
+cotangents move one hop per tick with `ppermute` along 'stage' and wait in
+per-stage buffer slots until their task runs. Work in flight at the end of a
+window (activations, stashes, partial gradients, inputs of minibatches not
+yet finished) stays in the state, so K windows give exactly one schedule over
+K*B minibatches.
 """
 
 import functools
@@ -34,13 +40,21 @@ from stalepipe.pipeline import program as program_lib
 from stalepipe.schedules import Schedule
 
 DATA, STAGE = "data", "stage"
+_COL = {name: i for i, name in enumerate(program_lib.FIELDS)}
 
 
 class PipelineState(NamedTuple):
   """Everything a pipeline carries between windows."""
 
-  params: packing.Flat  # dtype -> [D, S, L]: stage s's weights on replica d
+  params: packing.Flat  # dtype -> [D, S, R, L]: weight versions in the ring
+  versions: jax.Array  # int32 [D, S, R]: version held by each ring slot; -1
+  latest: jax.Array  # int32 [D, S]: updates each stage has applied
   opt_state: packing.Flat  # dtype -> [D, S, L_opt]
+  grads: packing.Flat  # dtype -> [D, S, L]: the minibatch being accumulated
+  acts: jax.Array | None  # [D, S, C, b, A]: inputs kept for the backward
+  cots: jax.Array | None  # [D, S, C, b, A]: cotangents waiting for it
+  past_inputs: jax.Array | None  # [H*B, M, D*b, ...]: earlier windows'
+  past_targets: jax.Array | None  # [H*B, M, D*b, ...]
   step: jax.Array  # int32 []: windows run so far
 
 
@@ -52,13 +66,15 @@ class Pipeline:
     loss_fn: `loss_fn(y, target) -> scalar`, the mean over a micro-batch.
     schedule: the schedule of one window (its B minibatches).
     optimizer: an optax transformation, applied to each stage's parameters.
+      A `GradientTransformationExtraArgs` also receives `stale_params=`, the
+      weights the gradient was computed on.
     mesh: a mesh with axes ('data', 'stage'); its 'stage' size must be S.
 
   Examples:
     >>> import jax, optax, stalepipe as sp
     >>> staged = sp.models.split(sp.models.mlp(64, 32, 3, 10), 4)
     >>> mesh = jax.make_mesh((2, 4), ("data", "stage"))
-    >>> schedule = sp.schedules.make("gpipe", num_stages=4, num_microbatches=4)
+    >>> schedule = sp.schedules.make("pipedream", num_stages=4, num_microbatches=4)
     >>> pipe = Pipeline(staged.stage_fns, optax.softmax_cross_entropy_with_integer_labels,
     ...                 schedule, optax.sgd(0.1), mesh)  # doctest: +SKIP
     >>> state = pipe.init(staged.stage_params)  # doctest: +SKIP
@@ -91,8 +107,8 @@ class Pipeline:
   def num_replicas(self) -> int:
     return self.mesh.shape[DATA]
 
-  def _sharding(self, spec: P) -> NamedSharding:
-    return NamedSharding(self.mesh, spec)
+  def _put(self, x, spec: P):
+    return jax.device_put(x, NamedSharding(self.mesh, spec))
 
   def init(self, stage_params: Sequence[Any]) -> PipelineState:
     """Packs S stage pytrees (and their optimizer states) onto the mesh."""
@@ -102,21 +118,37 @@ class Pipeline:
     opt_states = [self.optimizer.init(p) for p in stage_params]
     self._param_packing = packing.Packing(stage_params)
     self._opt_packing = packing.Packing(opt_states)
-    D = self.num_replicas
-    shard = self._sharding(P(DATA, STAGE))
+    D, S, R = self.num_replicas, len(self.stage_fns), self.program.num_versions
+    spec = P(DATA, STAGE)
 
-    def replicate(flat):
-      return {k: jax.device_put(jnp.broadcast_to(v, (D,) + v.shape), shard)
-              for k, v in flat.items()}
+    def per_replica(flat, ring=False):
+      out = {}
+      for k, v in flat.items():
+        if ring:  # version 0 in slot 0; the other slots empty
+          v = jnp.zeros((S, R) + v.shape[1:], v.dtype).at[:, 0].set(v)
+        out[k] = self._put(jnp.broadcast_to(v, (D,) + v.shape), spec)
+      return out
 
+    params = self._param_packing.pack_all(stage_params)
+    versions = np.full((D, S, R), -1, np.int32)
+    versions[..., 0] = 0
     return PipelineState(
-        params=replicate(self._param_packing.pack_all(stage_params)),
-        opt_state=replicate(self._opt_packing.pack_all(opt_states)),
-        step=jax.device_put(jnp.zeros((), jnp.int32), self._sharding(P())))
+        params=per_replica(params, ring=True),
+        versions=self._put(versions, spec),
+        latest=self._put(np.zeros((D, S), np.int32), spec),
+        opt_state=per_replica(self._opt_packing.pack_all(opt_states)),
+        grads=per_replica(jax.tree.map(jnp.zeros_like, params)),
+        acts=None, cots=None, past_inputs=None, past_targets=None,
+        step=self._put(jnp.zeros((), jnp.int32), P()))
 
   def params(self, state: PipelineState, replica: int = 0) -> tuple[Any, ...]:
-    """The S stage pytrees held by data replica `replica`."""
-    flat = {k: np.asarray(jax.device_get(v))[replica]
+    """The latest weights of the S stages held by data replica `replica`."""
+    versions = np.asarray(jax.device_get(state.versions))[replica]
+    latest = np.asarray(jax.device_get(state.latest))[replica]
+    slots = [int(np.argmax(versions[s] == latest[s]))
+             for s in range(len(self.stage_fns))]
+    flat = {k: np.asarray(jax.device_get(v))[replica][np.arange(len(slots)),
+                                                      slots]
             for k, v in state.params.items()}
     return self._param_packing.unpack_all(flat)
 
@@ -130,7 +162,9 @@ class Pipeline:
       targets: `[B, M, D * b, ...]`, laid out like `inputs`.
 
     Returns:
-      The new state and metrics (`loss`: mean micro-batch loss of the window).
+      The new state and metrics: `loss`, the mean loss of the micro-batches
+      whose forward reached the last stage in this window (NaN if none did),
+      and `num_losses`, their count.
     """
     B, M = self.schedule.num_minibatches, self.schedule.num_microbatches
     for name, array in (("inputs", inputs), ("targets", targets)):
@@ -138,150 +172,221 @@ class Pipeline:
         raise ValueError(
             f"{name} shape {np.shape(array)} is invalid; valid: [{B}, {M}, "
             f"a multiple of {self.num_replicas} data replicas, ...]")
-    spec = self._sharding(P(None, None, DATA))
-    inputs, targets = jax.device_put(inputs, spec), jax.device_put(targets, spec)
+    spec = P(None, None, DATA)
+    inputs, targets = self._put(inputs, spec), self._put(targets, spec)
+    if state.acts is None:
+      state = self._allocate(state, inputs, targets)
     key = (inputs.shape, inputs.dtype, targets.shape, targets.dtype)
     if key not in self._step_fns:
-      self._step_fns[key] = self._build_step(inputs, targets)
+      self._step_fns[key] = self._build_step(inputs)
     return self._step_fns[key](state, inputs, targets,
-                               jnp.asarray(self.program.table))
+                               jnp.asarray(self.program.tables))
 
-  def _activation_layout(self, inputs, targets):
+  def _activation_layout(self, inputs):
     """Shapes of the activations leaving stages 0..S-2, and their buffer."""
     b = inputs.shape[2] // self.num_replicas
     x = jax.ShapeDtypeStruct((b,) + inputs.shape[3:], inputs.dtype)
-    shapes = []
-    for fn, params in zip(self.stage_fns, self._param_packing.trees):
+    boundary = []
+    for fn, params in zip(self.stage_fns[:-1], self._param_packing.trees):
       x = jax.eval_shape(fn, params, x)
-      shapes.append(x)
-    boundary = shapes[:-1]
+      boundary.append(x)
     width = max([int(np.prod(s.shape[1:])) for s in boundary] + [1])
-    dtype = jnp.result_type(*[s.dtype for s in boundary]) if boundary else (
-        jnp.float32)
+    dtype = (jnp.result_type(*[s.dtype for s in boundary]) if boundary
+             else jnp.float32)
     return boundary, (b, width), dtype
 
-  def _build_step(self, inputs, targets):
-    S = self.schedule.num_stages
-    M = self.schedule.num_microbatches
-    num_slots = self.program.num_slots
-    boundary, buffer_shape, act_dtype = self._activation_layout(inputs, targets)
+  def _allocate(self, state, inputs, targets):
+    """Zero activation buffers and input history, on first use."""
+    _, buffer_shape, dtype = self._activation_layout(inputs)
+    D, S, C = self.num_replicas, len(self.stage_fns), self.program.num_slots
+    buffers = lambda: self._put(jnp.zeros((D, S, C) + buffer_shape, dtype),
+                                P(DATA, STAGE))
+    H, B = self.program.history, self.schedule.num_minibatches
+    spec = P(None, None, DATA)
+    past = lambda x: self._put(jnp.zeros((H * B,) + x.shape[1:], x.dtype), spec)
+    return state._replace(acts=buffers(), cots=buffers(),
+                          past_inputs=past(inputs), past_targets=past(targets))
+
+  def _build_step(self, inputs):
+    S, M = self.schedule.num_stages, self.schedule.num_microbatches
+    B = self.schedule.num_minibatches
+    C, W = self.program.num_slots, self.program.backward_width
+    H, K = self.program.history, len(self.program.tables)
+    boundary, buffer_shape, act_dtype = self._activation_layout(inputs)
     pp, op = self._param_packing, self._opt_packing
-    col = {name: i for i, name in enumerate(program_lib.FIELDS)}
+    extra_args = isinstance(self.optimizer, optax.GradientTransformationExtraArgs)
 
     def to_buffer(y):
       y = y.reshape(buffer_shape[0], -1).astype(act_dtype)
       return jnp.pad(y, ((0, 0), (0, buffer_shape[1] - y.shape[1])))
 
     def from_buffer(s, buf):
-      """Stage s's input from its buffer row (s > 0)."""
+      """Stage s's input (s > 0), or stage s-1's output cotangent, from a row."""
       shape = boundary[s - 1]
       n = int(np.prod(shape.shape[1:]))
       return buf[:, :n].reshape(shape.shape).astype(shape.dtype)
 
-    def stage_task(s, carry, instr, inputs, targets):
-      """Stage s's task of this tick; returns carry and the two sends."""
-      params, opt_state, grads, acts, cots, loss_sum = carry
-      fn = self.stage_fns[s]
-      p = pp.unpack(s, params)
-      mini, micro, slot = (instr[col["minibatch"]], instr[col["microbatch"]],
-                           instr[col["slot"]])
-      x = inputs[mini, micro] if s == 0 else from_buffer(s, acts[slot])
-      zeros = jnp.zeros(buffer_shape, act_dtype)
-      last = s == S - 1
+    def ring_slot(versions, version):
+      return jnp.argmax(versions == version)
+
+    def stage_task(s, carry, instr, base, inputs, targets):
+      """Stage s's task this tick; returns the carry and the two sends."""
+      (ring, versions, latest, opt_state, grads, acts, cots, loss_sum,
+       num_losses) = carry
+      fn, last = self.stage_fns[s], s == S - 1
+      mini, micro = instr[_COL["minibatch"]], instr[_COL["microbatch"]]
+      slot = (instr[_COL["slot"]] + base) % C
+      weights = {k: v[ring_slot(versions, latest - instr[_COL["lag"]])]
+                 for k, v in ring.items()}
+      p = pp.unpack(s, weights)
+      no_send_f = jnp.zeros(buffer_shape, act_dtype)
+      no_send_b = jnp.zeros((W,) + buffer_shape, act_dtype)
+
+      def stage_input(w):
+        if s == 0:
+          return inputs[mini, micro + w]
+        return from_buffer(s, acts[(slot + w) % C])
 
       def idle():
-        return carry, zeros, zeros
+        return carry, no_send_f, no_send_b
 
       def forward():
-        y = fn(p, x)
-        if last:
-          loss = self.loss_fn(y, targets[mini, micro])
-          return (params, opt_state, grads, acts, cots,
-                  loss_sum + loss), zeros, zeros
-        return carry, to_buffer(y), zeros
+        y = fn(p, stage_input(0))
+        if not last:
+          return carry, to_buffer(y), no_send_b
+        loss = self.loss_fn(y, targets[mini, micro])
+        return (carry[:7] + (loss_sum + loss, num_losses + 1), no_send_f,
+                no_send_b)
 
-      def backward(with_loss):
-        if last:
-          def objective(p, x):
-            return self.loss_fn(fn(p, x), targets[mini, micro]) / M
-          argnums = (0,) if s == 0 else (0, 1)
-          loss, g = jax.value_and_grad(objective, argnums)(p, x)
-          new_loss = loss_sum + loss * M if with_loss else loss_sum
-        else:
-          _, vjp = jax.vjp(fn, p, x)
-          g = vjp(from_buffer(s + 1, cots[slot]))
-          new_loss = loss_sum
-        g_flat = pp.pack(s, g[0])
+      def backward(fused):
+        g_sum, sends, loss = None, [], jnp.zeros((), jnp.float32)
+        for w in range(W):
+          x = stage_input(w)
+          if last:
+            objective = lambda p, x: self.loss_fn(  # pylint: disable=cell-var-from-loop
+                fn(p, x), targets[mini, micro + w]) / M
+            value, g = jax.value_and_grad(objective, (0, 1))(p, x)
+            loss = loss + value * M
+          else:
+            _, vjp = jax.vjp(fn, p, x)
+            g = vjp(from_buffer(s + 1, cots[(slot + w) % C]))
+          g_sum = g[0] if g_sum is None else jax.tree.map(jnp.add, g_sum, g[0])
+          sends.append(to_buffer(g[1]) if s > 0 else no_send_f)
+        g_flat = pp.pack(s, g_sum)
         grads_new = {k: grads[k] + g_flat[k] for k in grads}
-        send = to_buffer(g[1]) if s > 0 else zeros
-        return (params, opt_state, grads_new, acts, cots, new_loss), zeros, send
+        if fused:
+          loss_sum_new, num_new = loss_sum + loss, num_losses + W
+        else:
+          loss_sum_new, num_new = loss_sum, num_losses
+        return ((ring, versions, latest, opt_state, grads_new, acts, cots,
+                 loss_sum_new, num_new), no_send_f, jnp.stack(sends))
 
       return jax.lax.switch(
-          instr[col["kind"]],
+          instr[_COL["kind"]],
           [idle, forward, functools.partial(backward, False),
            functools.partial(backward, True)])
 
-    def stage_update(s, params, opt_state, grads):
-      p, o, g = pp.unpack(s, params), op.unpack(s, opt_state), pp.unpack(s, grads)
-      updates, o = self.optimizer.update(g, o, p)
+    def stage_update(s, ring, versions, latest, opt_state, grads, instr):
+      current = {k: v[ring_slot(versions, latest)] for k, v in ring.items()}
+      p, o, g = pp.unpack(s, current), op.unpack(s, opt_state), pp.unpack(s, grads)
+      if extra_args:
+        stale = {k: v[ring_slot(versions, latest - instr[_COL["update_lag"]])]
+                 for k, v in ring.items()}
+        updates, o = self.optimizer.update(g, o, p,
+                                           stale_params=pp.unpack(s, stale))
+      else:
+        updates, o = self.optimizer.update(g, o, p)
       return pp.pack(s, optax.apply_updates(p, updates)), op.pack(s, o)
 
-    def body(params, opt_state, inputs, targets, table):
-      params = {k: v[0, 0] for k, v in params.items()}
-      opt_state = {k: v[0, 0] for k, v in opt_state.items()}
+    def body(ring, versions, latest, opt_state, grads, acts, cots, past_inputs,
+             past_targets, inputs, targets, tables, step):
+      local = lambda tree: jax.tree.map(lambda v: v[0, 0], tree)
+      ring, versions, latest = local(ring), local(versions), local(latest)
+      opt_state, grads, acts, cots = (local(opt_state), local(grads),
+                                      local(acts), local(cots))
+      window_inputs = jnp.concatenate([past_inputs, inputs])
+      window_targets = jnp.concatenate([past_targets, targets])
       stage = jax.lax.axis_index(STAGE)
-      buffers = jnp.zeros((num_slots,) + buffer_shape, act_dtype)
-      carry = (params, opt_state, jax.tree.map(jnp.zeros_like, params),
-               buffers, buffers, jnp.zeros((), jnp.float32))
+      base = (step % C) * (B * M % C) % C
+      table = jax.lax.dynamic_index_in_dim(tables, jnp.minimum(step, K - 1),
+                                           keepdims=False)
       branches = [functools.partial(stage_task, s) for s in range(S)]
       updates = [functools.partial(stage_update, s) for s in range(S)]
 
-      def store(buffers, slot, value):
-        return jax.lax.cond(
-            slot >= 0, lambda: buffers.at[slot].set(value), lambda: buffers)
-
-      def update(carry):
-        params, opt_state, grads, acts, cots, loss_sum = carry
+      def update(carry, instr):
+        (ring, versions, latest, opt_state, grads, acts, cots, loss_sum,
+         num_losses) = carry
         grads = jax.lax.pmean(grads, DATA)
-        params, opt_state = jax.lax.switch(stage, updates, params, opt_state,
-                                           grads)
+        params, opt_state = jax.lax.switch(stage, updates, ring, versions,
+                                           latest, opt_state, grads, instr)
+        evict = instr[_COL["evict"]]
+        write = jnp.where(evict >= 0, ring_slot(versions, latest - evict),
+                          ring_slot(versions, -1))
+        ring = {k: v.at[write].set(params[k]) for k, v in ring.items()}
+        versions = versions.at[write].set(latest + 1)
         grads = jax.tree.map(jnp.zeros_like, grads)
-        return params, opt_state, grads, acts, cots, loss_sum
+        return (ring, versions, latest + 1, opt_state, grads, acts, cots,
+                loss_sum, num_losses)
 
       def tick(carry, rows):
         instr = rows[stage]
-        carry, send_f, send_b = jax.lax.switch(stage, branches, carry, instr,
-                                               inputs, targets)
+        carry, send_f, send_b = jax.lax.switch(
+            stage, branches, carry, instr, base, window_inputs, window_targets)
         recv_f = jax.lax.ppermute(send_f, STAGE,
                                   [(s, s + 1) for s in range(S - 1)])
         recv_b = jax.lax.ppermute(send_b, STAGE,
                                   [(s + 1, s) for s in range(S - 1)])
-        params, opt_state, grads, acts, cots, loss_sum = carry
-        acts = store(acts, instr[col["recv_forward"]], recv_f)
-        cots = store(cots, instr[col["recv_backward"]], recv_b)
-        carry = params, opt_state, grads, acts, cots, loss_sum
-        carry = jax.lax.cond(instr[col["update"]] == 1, update,
-                             lambda c: c, carry)
+        (ring, versions, latest, opt_state, grads, acts, cots, loss_sum,
+         num_losses) = carry
+        at_f, at_b = instr[_COL["recv_forward"]], instr[_COL["recv_backward"]]
+        acts = jax.lax.cond(at_f >= 0,
+                            lambda: acts.at[(at_f + base) % C].set(recv_f),
+                            lambda: acts)
+
+        def file_cotangents():
+          out = cots
+          for w in range(W):
+            out = out.at[(at_b + base + w) % C].set(recv_b[w])
+          return out
+
+        cots = jax.lax.cond(at_b >= 0, file_cotangents, lambda: cots)
+        carry = (ring, versions, latest, opt_state, grads, acts, cots,
+                 loss_sum, num_losses)
+        carry = jax.lax.cond(instr[_COL["update"]] == 1, update,
+                             lambda c, _: c, carry, instr)
         return carry, None
 
+      carry = (ring, versions, latest, opt_state, grads, acts, cots,
+               jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32))
       carry, _ = jax.lax.scan(tick, carry, table)
-      params, opt_state, _, _, _, loss_sum = carry
-      num_losses = self.schedule.num_minibatches * M
-      loss = jax.lax.pmean(jax.lax.psum(loss_sum, STAGE), DATA) / num_losses
-      expand = lambda tree: {k: v[None, None] for k, v in tree.items()}
-      return expand(params), expand(opt_state), loss
+      (ring, versions, latest, opt_state, grads, acts, cots, loss_sum,
+       num_losses) = carry
+      num_losses = jax.lax.psum(num_losses, STAGE)
+      loss = jax.lax.pmean(jax.lax.psum(loss_sum, STAGE), DATA) / jnp.where(
+          num_losses > 0, num_losses, jnp.nan)
+      expand = lambda tree: jax.tree.map(lambda v: v[None, None], tree)
+      keep = H * B
+      return (expand(ring), expand(versions), expand(latest),
+              expand(opt_state), expand(grads), expand(acts), expand(cots),
+              window_inputs[window_inputs.shape[0] - keep:],
+              window_targets[window_targets.shape[0] - keep:], loss,
+              num_losses)
 
-    state_spec = P(DATA, STAGE)
+    local, window = P(DATA, STAGE), P(None, None, DATA)
     mapped = jax.shard_map(
         body, mesh=self.mesh,
-        in_specs=(state_spec, state_spec, P(None, None, DATA),
-                  P(None, None, DATA), P()),
-        out_specs=(state_spec, state_spec, P()), check_vma=False)
+        in_specs=(local,) * 7 + (window,) * 4 + (P(), P()),
+        out_specs=(local,) * 7 + (window,) * 2 + (P(), P()), check_vma=False)
 
     @functools.partial(jax.jit, donate_argnums=(0,))
-    def step_fn(state, inputs, targets, table):
-      params, opt_state, loss = mapped(state.params, state.opt_state, inputs,
-                                       targets, table)
-      return PipelineState(params, opt_state, state.step + 1), {"loss": loss}
+    def step_fn(state, inputs, targets, tables):
+      (ring, versions, latest, opt_state, grads, acts, cots, past_inputs,
+       past_targets, loss, num_losses) = mapped(
+           state.params, state.versions, state.latest, state.opt_state,
+           state.grads, state.acts, state.cots, state.past_inputs,
+           state.past_targets, inputs, targets, tables, state.step)
+      state = PipelineState(ring, versions, latest, opt_state, grads, acts,
+                            cots, past_inputs, past_targets, state.step + 1)
+      return state, {"loss": loss, "num_losses": num_losses}
 
     return step_fn
