@@ -100,7 +100,7 @@ def cifar10(data_dir: str, *, process_index: int = 0,
   if not 0 <= process_index < process_count:
     raise ValueError(f"process_index={process_index} is invalid; valid: 0 to "
                      f"{process_count - 1}")
-  data_dir = _resolve(data_dir)
+  data_dir = _resolve(os.path.expanduser(data_dir))
   for name in TRAIN_FILES + (TEST_FILE,):
     if not os.path.isfile(os.path.join(data_dir, name)):
       raise FileNotFoundError(
