@@ -126,6 +126,11 @@ def test_parameter_server_fifo_and_ad_psgd_pairs():
     pulled = server + 1.0 + np.arange(N)  # pulls served in pipeline order
     ready = pulled + 2.0
   assert r.makespan == pytest.approx(pulled.max())
+  own = sp.sim.Cluster.grid(N, 1, intra=link, inter=link, ps=link,
+                            ps_shared=False)
+  r = sp.sim.simulate(make("gpipe", 1, 1, B), own, costs,
+                      sp.sim.parameter_server())
+  assert r.makespan == pytest.approx(B * (2.0 + 2 * 1.0))
   r = sp.sim.simulate(make("gpipe", 1, 1, B), cluster, costs,
                       sp.sim.ad_psgd(), seed=3)
   assert r.makespan == pytest.approx(B * (2.0 + 1.0))  # ring of 2: b/beta

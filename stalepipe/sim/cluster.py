@@ -106,12 +106,16 @@ class Cluster:
     ps: the link into a parameter server shard (seed 001 §8.1 places one
       shard per node; "ED-local" puts a stage's shard on that stage's node,
       so `ps` is the intra-node link there).
+    ps_shared: whether the replicas share one link into a shard, so pushes
+      and pulls queue (a remote shard behind one network card), or each has
+      its own (ED-local: every GPU's own PCIe lanes to its host).
   """
 
   devices: tuple[tuple[Device, ...], ...]
   intra: Link = Link(bandwidth=15.75e9, latency=10e-6)
   inter: Link = Link(bandwidth=56e9 / 8, latency=20e-6)
   ps: Link = Link(bandwidth=56e9 / 8, latency=20e-6)
+  ps_shared: bool = True
 
   def __post_init__(self):
     widths = {len(row) for row in self.devices}

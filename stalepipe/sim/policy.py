@@ -66,6 +66,17 @@ class Context:
     """One push or pull of the stage's parameters to its parameter-server shard."""
     return self.cluster.ps.seconds(self.costs.param_bytes[stage])
 
+  def ps_transfer(self, stage: int, arrivals: np.ndarray) -> np.ndarray:
+    """When pushes (or pulls) issued at `arrivals` finish at the stage's shard.
+
+    They queue (`fifo`) when the replicas share the shard's link
+    (`Cluster.ps_shared`), and run side by side otherwise.
+    """
+    service = self.ps_seconds(stage)
+    if self.cluster.ps_shared:
+      return fifo(arrivals, service)
+    return arrivals + service
+
 
 def fifo(arrivals: np.ndarray, service: float) -> np.ndarray:
   r"""Finish times of jobs served one at a time, first come first served.
@@ -189,8 +200,8 @@ class _PSRunner(Runner):
 
   def sync(self, stage, minibatch, ready):
     service = self.ctx.ps_seconds(stage)
-    pushed = fifo(ready, service)
-    pulled = fifo(np.full(len(ready), pushed.max()), service)
+    pushed = self.ctx.ps_transfer(stage, ready)
+    pulled = self.ctx.ps_transfer(stage, np.full(len(ready), pushed.max()))
     everyone = np.arange(len(ready))
     return SyncOutcome(pulled, (everyone,),
                        (CommEvent(everyone, pushed - service, pushed),
@@ -203,7 +214,9 @@ class ParameterServer:
 
   The stage's shard serves one push (or pull) of :math:`b_s` bytes at a time
   over its link, so :math:`N` replicas cost :math:`2N(\alpha + b_s/\beta)`
-  once the last has pushed: the central bottleneck of seed 002 §1.
+  once the last has pushed: the central bottleneck of seed 002 §1 (with
+  `Cluster.ps_shared=False`, pushes run side by side: :math:`2(\alpha +
+  b_s/\beta)`).
 
   References:
     Li et al, Scaling distributed machine learning with the parameter server

@@ -63,8 +63,8 @@ class _WSPRunner(policy.Runner):
       return policy.SyncOutcome(applied=ready)
     c = minibatch // self.wave
     service = self.ctx.ps_seconds(stage)
-    pushed = policy.fifo(ready, service)
-    pulled = policy.fifo(np.full(len(ready), pushed.max()), service)
+    pushed = self.ctx.ps_transfer(stage, ready)
+    pulled = self.ctx.ps_transfer(stage, np.full(len(ready), pushed.max()))
     previous = self.visible[stage, c - 1] if c else -np.inf
     self.visible[stage, c] = max(pulled.max(), previous)
     self.pushed[:, c, stage] = pushed
