@@ -118,8 +118,12 @@ def _check_gradients_grouped(schedule: Schedule):
 
 
 def _update_reads(schedule: Schedule) -> dict[tuple[int, int], int]:
-  """`(stage, update tick) -> version` the update's gradient was computed on."""
-  return {(s, u): max(schedule.task_version(t) for t in schedule.tasks
+  """`(stage, update tick) -> version` the update's gradient was computed on.
+
+  Where the micro-batches of a minibatch read different versions (PipeDream
+  with M > 1), this is the oldest, that of its first backward.
+  """
+  return {(s, u): min(schedule.task_version(t) for t in schedule.tasks
                       if t.stage == s and t.minibatch == p
                       and t.kind in ("B", "FB"))
           for (s, p), u in schedule.update_ticks.items()}

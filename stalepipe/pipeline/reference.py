@@ -114,7 +114,7 @@ class Pipeline:
       for s, p in updates_at.get(tick, ()):
         kind = "FB" if any(t.kind == "FB" and t.stage == s
                            for t in stream.tasks) else "B"
-        stale = versions[s][stream.version(p, s, kind, 0)]
+        stale = versions[s][stream.version(p, s, kind, 0)]  # first backward
         current = versions[s][-1]
         if isinstance(self.optimizer, optax.GradientTransformationExtraArgs):
           upd, opt_states[s] = self.optimizer.update(
