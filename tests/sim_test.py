@@ -209,8 +209,8 @@ def test_trace_replay_and_seeds(tmp_path):
   np.save(tmp_path / "d.npy", delays)
   r = sp.sim.simulate(s, cluster, costs, perturbations=[
       sp.sim.load_trace(str(tmp_path / "d.npy"), kind="delay")])
-  busy = fast.busy + delays.reshape(B, N, S).sum(0)
-  np.testing.assert_allclose(r.busy, busy)
+  np.testing.assert_allclose(r.busy, fast.busy)
+  np.testing.assert_allclose(r.delayed, delays.reshape(B, N, S).sum(0))
   hete = [sp.sim.hete("B")]
   one = sp.sim.simulate(s, cluster, costs, sp.sim.ad_psgd(),
                         perturbations=hete, seed=7)
@@ -283,18 +283,26 @@ def test_timeline_covers_busy_and_waits():
   cluster = free_cluster(2, 2)
   costs = sp.sim.StageCosts.uniform(2, 0.1, 0.2, param_bytes=1e6,
                                     update=(0.05, 0.05))
-  r = sp.sim.simulate(s, cluster, costs, sp.sim.bsp())
+  r = sp.sim.simulate(s, cluster, costs, sp.sim.bsp(),
+                      perturbations=[sp.sim.Stragglers(0.5, 0.3)])
+  assert r.delayed.sum() > 0
   events = r.timeline()
-  busy, wait = np.zeros((2, 2)), np.zeros((2, 2))
+  busy, wait, slept = (np.zeros((2, 2)) for _ in range(3))
   for e in events:
     i, s_ = int(e.row.split()[1]), int(e.row.split()[3])
     if e.kind in ("F", "B", "FB", "U"):
       busy[i, s_] += e.duration
     elif e.kind == "W":
-      wait[i, s_] += e.duration
+      (slept if e.label == "sleep" else wait)[i, s_] += e.duration
   np.testing.assert_allclose(busy, r.busy)
   np.testing.assert_allclose(wait, r.wait)
-  np.testing.assert_allclose(r.busy + r.wait + r.idle, r.makespan)
+  np.testing.assert_allclose(slept, r.delayed)
+  np.testing.assert_allclose(r.busy + r.wait + r.delayed + r.idle, r.makespan)
+  per_device = {}
+  for e in sorted(events, key=lambda e: e.start):
+    if e.kind != "C":  # a device does one thing at a time
+      assert e.start >= per_device.get(e.row, 0.0) - 1e-9
+      per_device[e.row] = e.start + e.duration
 
 
 def test_bad_inputs_raise():

@@ -4,8 +4,10 @@ Every pipeline replays the schedule's per-stage task order (the order of
 `schedule.tasks` on each stage) with durations from the cost model. A task
 starts when all of these hold:
 
-- its device is free (after the previous task of the stage, plus a
-  straggler's sleep before the first task of an iteration);
+- its device is free: after the previous task of the stage; before the
+  first task of an iteration, also after the worker's own sync of its last
+  update (Algorithm 1 of seed 002: step B ends an iteration) and a
+  straggler's sleep;
 - its input has arrived: F(p, m) on `s` after F(p, m) on `s-1` plus the
   activation transfer, B(p, m) on `s` after B/FB(p, m) on `s+1` plus the
   gradient transfer, a last-stage B after its own F;
@@ -51,6 +53,7 @@ class _Plan(NamedTuple):
   volume: np.ndarray  # [T] float, micro-batches of activation moved
   version: np.ndarray  # [T] int
   first: np.ndarray  # [T] bool, first task of (minibatch, stage)
+  own: np.ndarray  # [T] int, updates the stage triggered before the task
   trigger: np.ndarray  # [T] bool, last backward of (minibatch, stage)
   base: np.ndarray  # [T] float, seconds on the reference device
   backward_version: np.ndarray  # [S, B] oldest version a backward reads
@@ -76,6 +79,7 @@ def _compile(schedule: core.Schedule, costs: cluster_lib.StageCosts) -> _Plan:
   backward_version = np.full((S, B), np.iinfo(np.int64).max)
   first_task = np.full((S, B), -1)
   last_backward = np.full((S, B), -1)
+  own, triggered = np.zeros(T, int), [0] * S
   for i, t in enumerate(tasks):
     s, p, m = t.stage, t.minibatch, t.microbatch
     plan["stage"][i], plan["minibatch"][i] = s, p
@@ -112,11 +116,13 @@ def _compile(schedule: core.Schedule, costs: cluster_lib.StageCosts) -> _Plan:
       raise ValueError(f"stage {s} of schedule {schedule.name!r} must finish "
                        "the backwards of its minibatches in minibatch order")
   for i, t in enumerate(tasks):
+    own[i] = triggered[t.stage]
+    triggered[t.stage] += int(trigger[i])
     v = plan["version"][i]
     if v > 0 and last_backward[t.stage, v - 1] >= i:
       raise ValueError(f"{t} reads version {v} before stage {t.stage} applies "
                        f"the update of minibatch {v - 1}")
-  return _Plan(volume=volume, first=first, trigger=trigger, base=base,
+  return _Plan(volume=volume, first=first, own=own, trigger=trigger, base=base,
                backward_version=backward_version, first_task=first_task,
                **plan)
 
@@ -130,15 +136,20 @@ class SimResult:
     cluster: the cluster it ran on.
     policy: the sync policy's name.
     makespan: seconds until the last update is in place everywhere.
-    busy: `[N, S]` seconds computing (tasks, injected sleeps, updates).
-    wait: `[N, S]` seconds a device had its input but waited for a version
-      (an update or a sync) or a gate.
+    busy: `[N, S]` seconds computing (tasks and updates).
+    wait: `[N, S]` seconds a device waited for a sync: its own at the end of
+      an iteration, or, with its input in, for the version it reads or a
+      gate.
+    delayed: `[N, S]` seconds of injected straggler sleeps.
     idle: `[N, S]` the rest of the makespan (pipeline bubbles, link delays).
     staleness: `[N, B, S]` observed staleness of each minibatch's gradient:
       updates (of any replica) in place before it is applied, minus those
       reflected in the weights its backward read.
     start, end, ready: `[tasks, N]` each task's start, end and the time its
       device was free with its input in.
+    blocked, sleep_at, sleep: `[tasks, N]` for the first task of an
+      iteration, the seconds its device waited for its own sync, when its
+      injected sleep began and how long it lasted.
     applied: `[S, B + 1, N]` when version `v` of a stage is in place.
     comm: `(stage, CommEvent)` records of every exchange.
     samples_per_minibatch: M x samples per micro-batch.
@@ -151,11 +162,15 @@ class SimResult:
   makespan: float
   busy: np.ndarray
   wait: np.ndarray
+  delayed: np.ndarray
   idle: np.ndarray
   staleness: np.ndarray
   start: np.ndarray
   end: np.ndarray
   ready: np.ndarray
+  blocked: np.ndarray
+  sleep_at: np.ndarray
+  sleep: np.ndarray
   applied: np.ndarray
   update_seconds: np.ndarray
   comm: tuple
@@ -217,8 +232,9 @@ class SimResult:
       until: leave out events starting at or after this time.
 
     Returns:
-      Tasks ("F", "B", "FB"), updates ("U"), communication ("C") and waits
-      for a version or a gate ("W"), one row per device.
+      Tasks ("F", "B", "FB"), updates ("U"), communication ("C"), waits
+      for a sync, a version or a gate ("W") and injected straggler sleeps
+      ("W" labelled "sleep"), one row per device.
     """
     from stalepipe.schedules import render  # pylint: disable=g-import-not-at-top
     N = self.applied.shape[2]
@@ -236,6 +252,14 @@ class SimResult:
         st, en, rd = self.start[k, i], self.end[k, i], self.ready[k, i]
         if rd >= until:
           continue
+        slept, held = self.sleep_at[k, i], self.blocked[k, i]
+        if held > 0:
+          events.append(render.TimelineEvent(row(i, t.stage), slept - held,
+                                             held, "W", ""))
+        d = self.sleep[k, i]
+        if d > 0:
+          events.append(render.TimelineEvent(row(i, t.stage), slept, d, "W",
+                                             "sleep"))
         if st > rd:
           events.append(render.TimelineEvent(row(i, t.stage), rd, st - rd,
                                              "W", ""))
@@ -312,6 +336,7 @@ def simulate(schedule: core.Schedule, cluster: cluster_lib.Cluster,
   T = len(plan.stage)
   start, end = np.zeros((T + 1, N)), np.zeros((T + 1, N))
   ready = np.zeros((T, N))
+  blocked, sleep_at, sleep = (np.zeros((T, N)) for _ in range(3))
   free = np.zeros((S, N))
   applied = np.full((S, B + 1, N), np.inf)
   applied[:, 0] = 0.0
@@ -322,12 +347,14 @@ def simulate(schedule: core.Schedule, cluster: cluster_lib.Cluster,
   comm = []
   stage, minibatch, dep = plan.stage.tolist(), plan.minibatch.tolist(), plan.dep
   version, first, trigger = plan.version.tolist(), plan.first, plan.trigger
-  base, gates = plan.base, runner.gates
+  base, gates, own = plan.base, runner.gates, plan.own
   for i in range(T):
     s, p = stage[i], minibatch[i]
     f = free[s]
     if first[i]:
-      f = f + delay[p, s]
+      synced = np.maximum(f, applied[s, own[i]])
+      blocked[i], sleep_at[i], sleep[i] = synced - f, synced, delay[p, s]
+      f = synced + sleep[i]
     r = np.maximum(f, end[dep[i]] + xfer[i])
     st = np.maximum(r, applied[s, version[i]])
     if gates and first[i]:
@@ -355,15 +382,17 @@ def simulate(schedule: core.Schedule, cluster: cluster_lib.Cluster,
   for s in range(S):
     mine = plan.stage == s
     busy[s] = (end[mine] - start[mine]).sum(0)
-    wait[s] = (start[mine] - ready[mine]).sum(0)
-  busy += delay.sum(0) + update.sum(0)
+    wait[s] = (start[mine] - ready[mine] + blocked[mine]).sum(0)
+  busy += update.sum(0)
+  delayed = delay.sum(0)
   staleness = _staleness(plan, runner, start, applied, history)
   extras = dict(runner.extras(), local_update_end=local_end)
   return SimResult(
       schedule=schedule, cluster=cluster, policy=policy.name,
-      makespan=makespan, busy=busy.T, wait=wait.T,
-      idle=makespan - busy.T - wait.T, staleness=staleness, start=start,
-      end=end, ready=ready, applied=applied, update_seconds=update,
+      makespan=makespan, busy=busy.T, wait=wait.T, delayed=delayed.T,
+      idle=makespan - busy.T - wait.T - delayed.T, staleness=staleness,
+      start=start, end=end, ready=ready, blocked=blocked, sleep_at=sleep_at,
+      sleep=sleep, applied=applied, update_seconds=update,
       comm=tuple(comm),
       samples_per_minibatch=(schedule.num_microbatches
                              * costs.samples_per_microbatch),
