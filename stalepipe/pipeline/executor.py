@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from stalepipe.pipeline import packing
@@ -102,13 +103,30 @@ class Pipeline:
     self._param_packing = None
     self._opt_packing = None
     self._step_fns = {}
+    self._tables = None
 
   @property
   def num_replicas(self) -> int:
     return self.mesh.shape[DATA]
 
   def _put(self, x, spec: P):
-    return jax.device_put(x, NamedSharding(self.mesh, spec))
+    """Places a value every process holds whole onto the mesh."""
+    x = np.asarray(x)
+    return jax.make_array_from_callback(x.shape, NamedSharding(self.mesh, spec),
+                                        lambda index: x[index])
+
+  def _put_local(self, x, spec: P):
+    """Assembles the mesh-wide array from each process's own slice of it."""
+    sharding = NamedSharding(self.mesh, spec)
+    if isinstance(x, jax.Array) and x.sharding == sharding:
+      return x
+    return jax.make_array_from_process_local_data(sharding, np.asarray(x))
+
+  def _fetch(self, x) -> np.ndarray:
+    """The whole of a mesh-wide array, on every process."""
+    if x.is_fully_addressable:
+      return np.asarray(jax.device_get(x))
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
   def init(self, stage_params: Sequence[Any]) -> PipelineState:
     """Packs S stage pytrees (and their optimizer states) onto the mesh."""
@@ -124,9 +142,11 @@ class Pipeline:
     def per_replica(flat, ring=False):
       out = {}
       for k, v in flat.items():
+        v = np.asarray(v)
         if ring:  # version 0 in slot 0; the other slots empty
-          v = jnp.zeros((S, R) + v.shape[1:], v.dtype).at[:, 0].set(v)
-        out[k] = self._put(jnp.broadcast_to(v, (D,) + v.shape), spec)
+          v = np.zeros((S, R) + v.shape[1:], v.dtype)
+          v[:, 0] = np.asarray(flat[k])
+        out[k] = self._put(np.broadcast_to(v, (D,) + v.shape), spec)
       return out
 
     params = self._param_packing.pack_all(stage_params)
@@ -139,16 +159,15 @@ class Pipeline:
         opt_state=per_replica(self._opt_packing.pack_all(opt_states)),
         grads=per_replica(jax.tree.map(jnp.zeros_like, params)),
         acts=None, cots=None, past_inputs=None, past_targets=None,
-        step=self._put(jnp.zeros((), jnp.int32), P()))
+        step=self._put(np.zeros((), np.int32), P()))
 
   def params(self, state: PipelineState, replica: int = 0) -> tuple[Any, ...]:
     """The latest weights of the S stages held by data replica `replica`."""
-    versions = np.asarray(jax.device_get(state.versions))[replica]
-    latest = np.asarray(jax.device_get(state.latest))[replica]
+    versions = self._fetch(state.versions)[replica]
+    latest = self._fetch(state.latest)[replica]
     slots = [int(np.argmax(versions[s] == latest[s]))
              for s in range(len(self.stage_fns))]
-    flat = {k: np.asarray(jax.device_get(v))[replica][np.arange(len(slots)),
-                                                      slots]
+    flat = {k: self._fetch(v)[replica][np.arange(len(slots)), slots]
             for k, v in state.params.items()}
     return self._param_packing.unpack_all(flat)
 
@@ -159,6 +178,8 @@ class Pipeline:
       state: from `init` or a previous `step`.
       inputs: `[B, M, D * b, ...]`: B minibatches of M micro-batches; the
         micro-batch axis is split over the D data replicas (b examples each).
+        In a multi-process run, each process passes its own slice
+        `[B, M, D_local * b, ...]` for the replicas on its devices.
       targets: `[B, M, D * b, ...]`, laid out like `inputs`.
 
     Returns:
@@ -167,20 +188,23 @@ class Pipeline:
       and `num_losses`, their count.
     """
     B, M = self.schedule.num_minibatches, self.schedule.num_microbatches
+    local_replicas = self.num_replicas // jax.process_count()
     for name, array in (("inputs", inputs), ("targets", targets)):
-      if np.shape(array)[:2] != (B, M) or np.shape(array)[2] % self.num_replicas:
+      if np.shape(array)[:2] != (B, M) or np.shape(array)[2] % local_replicas:
         raise ValueError(
             f"{name} shape {np.shape(array)} is invalid; valid: [{B}, {M}, "
-            f"a multiple of {self.num_replicas} data replicas, ...]")
+            f"a multiple of {local_replicas} data replicas, ...]")
     spec = P(None, None, DATA)
-    inputs, targets = self._put(inputs, spec), self._put(targets, spec)
+    inputs, targets = self._put_local(inputs, spec), self._put_local(targets,
+                                                                     spec)
     if state.acts is None:
       state = self._allocate(state, inputs, targets)
     key = (inputs.shape, inputs.dtype, targets.shape, targets.dtype)
     if key not in self._step_fns:
       self._step_fns[key] = self._build_step(inputs)
-    return self._step_fns[key](state, inputs, targets,
-                               jnp.asarray(self.program.tables))
+    if self._tables is None:
+      self._tables = self._put(self.program.tables, P())
+    return self._step_fns[key](state, inputs, targets, self._tables)
 
   def _activation_layout(self, inputs):
     """Shapes of the activations leaving stages 0..S-2, and their buffer."""
@@ -199,11 +223,11 @@ class Pipeline:
     """Zero activation buffers and input history, on first use."""
     _, buffer_shape, dtype = self._activation_layout(inputs)
     D, S, C = self.num_replicas, len(self.stage_fns), self.program.num_slots
-    buffers = lambda: self._put(jnp.zeros((D, S, C) + buffer_shape, dtype),
+    buffers = lambda: self._put(np.zeros((D, S, C) + buffer_shape, dtype),
                                 P(DATA, STAGE))
     H, B = self.program.history, self.schedule.num_minibatches
     spec = P(None, None, DATA)
-    past = lambda x: self._put(jnp.zeros((H * B,) + x.shape[1:], x.dtype), spec)
+    past = lambda x: self._put(np.zeros((H * B,) + x.shape[1:], x.dtype), spec)
     return state._replace(acts=buffers(), cots=buffers(),
                           past_inputs=past(inputs), past_targets=past(targets))
 

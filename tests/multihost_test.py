@@ -1,0 +1,38 @@
+"""Two processes on 127.0.0.1 (gloo) give the parameters of one process."""
+
+import pathlib
+import socket
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+WORKER = pathlib.Path(__file__).with_name("multihost_worker.py")
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def _run(num_processes, out, *args):
+  port = str(_free_port())
+  procs = [subprocess.Popen(
+      [sys.executable, str(WORKER), port, str(num_processes), str(i), str(out),
+       *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+      for i in range(num_processes)]
+  for p in procs:
+    output, _ = p.communicate(timeout=240)
+    assert p.returncode == 0, output[-3000:]
+  return np.load(out)
+
+
+@pytest.mark.parametrize("args", [("pipedream", "bsp")])
+def test_two_processes_match_one(tmp_path, args):
+  one = _run(1, tmp_path / "one.npz", *args)
+  two = _run(2, tmp_path / "two.npz", *args)
+  assert set(one.files) == set(two.files)
+  for name in one.files:
+    np.testing.assert_allclose(two[name], one[name], rtol=1e-6, atol=1e-7)
