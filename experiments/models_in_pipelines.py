@@ -49,7 +49,7 @@ MODELS = [
      dict(name="resnet", num_classes=10, in_channels=1, stem_width=8,
           widths=(8, 16), depths=(1, 1)), sp.models.losses.cross_entropy),
     ("transformer / chars", chars_windows,
-     dict(name="transformer", vocab_size=len(sp.data.chars_vocab().chars),
+     dict(name="transformer", vocab_size=sp.data.chars_vocab().size,
           d_model=16, num_heads=2, num_layers=2, max_len=32),
      sp.models.losses.lm_cross_entropy),
 ]

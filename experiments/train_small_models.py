@@ -57,7 +57,7 @@ RUNS = [
           widths=(16, 32), depths=(1, 1)),
      sp.models.losses.cross_entropy, 64, 1e-3),
     ("transformer / chars", lambda: sp.data.chars(64),
-     dict(name="transformer", vocab_size=len(sp.data.chars_vocab().chars),
+     dict(name="transformer", vocab_size=sp.data.chars_vocab().size,
           d_model=64, num_heads=4, num_layers=2, max_len=64),
      sp.models.losses.lm_cross_entropy, 32, 3e-3),
 ]

@@ -58,7 +58,8 @@ def zen_text() -> str:
   with open(importlib.util.find_spec("this").origin, encoding="utf-8") as f:
     tree = ast.parse(f.read())
   rot13 = next(node.value.value for node in tree.body
-               if isinstance(node, ast.Assign) and node.targets[0].id == "s")
+               if isinstance(node, ast.Assign)
+               and getattr(node.targets[0], "id", None) == "s")
   return codecs.decode(rot13, "rot13")
 
 
@@ -74,6 +75,7 @@ class Vocab(NamedTuple):
 
   @property
   def size(self) -> int:
+    """Number of ids, the width of a language model's logits."""
     return len(self.chars)
 
   def encode(self, text: str) -> np.ndarray:
