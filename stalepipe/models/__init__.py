@@ -1,9 +1,9 @@
 """Flax NNX models written as sequences of blocks, and a splitter into stages."""
 
 from stalepipe.models import losses
-from stalepipe.models.cnn import vgg
+from stalepipe.models.cnn import VGG16, VGG19, vgg
 from stalepipe.models.mlp import mlp
-from stalepipe.models.resnet import resnet
+from stalepipe.models.resnet import RESNET18, RESNET50, RESNET152, resnet
 from stalepipe.models.staging import Staged, even_boundaries, split, unpipelined
 from stalepipe.models.transformer import transformer
 
