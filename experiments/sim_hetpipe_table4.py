@@ -39,7 +39,7 @@ from stalepipe.plan import devices as dev
 
 BATCH = 32
 SINGLE_V = {"vgg19": 159.0, "resnet152": 112.0}  # Table 4, images/s
-RESERVED = dev.GIB // 2  # CUDA context and workspace, as experiments/plan_hetpipe.py
+RESERVED = dev.GIB // 2  # CUDA context, workspace (as plan_hetpipe.py)
 SETS = ("V", "VR", "VRQ", "VRQG")
 # Seed 001 Table 4: Horovod images/s; HetPipe images/s and total N_m.
 PAPER_HOROVOD = {"vgg19": (164, 205, 265, 339),

@@ -1,4 +1,4 @@
-"""Simulator speed: 64 workers x 1,000 iterations, and cost vs iterations x workers.
+"""Simulator speed: 64 workers x 1,000 iterations; cost vs iterations x workers.
 
 Runs on one CPU core (the process pins itself to core 0). Times `simulate`
 alone; building the schedule (by tiling a short one, `sp.sim.tile`) is timed

@@ -91,7 +91,8 @@ def ring_allreduce_seconds(num_bytes: float, num_workers: int,
   n = num_workers
   if n < 1:
     raise ValueError(f"num_workers={n!r} is invalid; it must be >= 1")
-  return 2 * (n - 1) / n * num_bytes / link.bandwidth + 2 * (n - 1) * link.latency
+  return (2 * (n - 1) / n * num_bytes / link.bandwidth
+          + 2 * (n - 1) * link.latency)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,7 +158,7 @@ class Cluster:
     return self.intra if a.node == b.node else self.inter
 
   def group_link(self, stage: int, pipelines: Sequence[int]) -> Link:
-    """The link a group of one stage's devices all-reduces over (its slowest)."""
+    """The (slowest) link a group of one stage's devices all-reduces over."""
     nodes = {self.devices[i][stage].node for i in pipelines}
     return self.intra if len(nodes) == 1 else self.inter
 
@@ -201,7 +202,8 @@ class StageCosts:
     """The same costs on every stage; scalar `kwargs` are repeated too.
 
     Examples:
-      >>> StageCosts.uniform(2, forward=1.0, backward=2.0, param_bytes=8).param_bytes
+      >>> c = StageCosts.uniform(2, forward=1.0, backward=2.0, param_bytes=8)
+      >>> c.param_bytes
       (8, 8)
     """
     per_stage = {k: (v,) * num_stages if np.isscalar(v) and

@@ -20,7 +20,8 @@ starts when all of these hold:
 
   \text{start} = \max(\text{free} + \text{sleep},\ \text{input} +
   \text{transfer},\ \text{applied}_{s,v},\ \text{gate}),\quad
-  \text{end} = \text{start} + \frac{c_{kind,s} \cdot \text{slowdown}}{\text{speed}}
+  \text{end} = \text{start}
+  + \frac{c_{kind,s} \cdot \text{slowdown}}{\text{speed}}
 
 Since every pipeline runs the same per-stage order, each task is one NumPy
 operation over all pipelines; events are processed in the schedule's task
@@ -129,7 +130,7 @@ def _compile(schedule: core.Schedule, costs: cluster_lib.StageCosts) -> _Plan:
 
 @dataclasses.dataclass(frozen=True)
 class SimResult:
-  """What a simulation measured. Times in seconds; devices as `[pipeline, stage]`.
+  """What a simulation measured; seconds, devices as `[pipeline, stage]`.
 
   Attributes:
     schedule: the schedule every pipeline ran.
@@ -225,7 +226,7 @@ class SimResult:
 
   def timeline(self, pipelines: Sequence[int] | None = None,
                until: float = np.inf) -> list:
-    """The run as `render.TimelineEvent`s (seconds), for `gantt_png`/`chrome_trace`.
+    """The run as `render.TimelineEvent`s (seconds) for the renderers.
 
     Args:
       pipelines: the pipelines to show (default all).
@@ -236,7 +237,8 @@ class SimResult:
       for a sync, a version or a gate ("W") and injected straggler sleeps
       ("W" labelled "sleep"), one row per device.
     """
-    from stalepipe.schedules import render  # pylint: disable=g-import-not-at-top
+    # pylint: disable-next=g-import-not-at-top
+    from stalepipe.schedules import render
     N = self.applied.shape[2]
     shown = range(N) if pipelines is None else pipelines
     width = len(str(N - 1))

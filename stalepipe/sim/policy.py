@@ -45,7 +45,7 @@ class SyncOutcome(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class Context:
-  """What a runner may look at: the cluster, the costs and a seeded Generator."""
+  """What a runner may look at: cluster, costs and a seeded Generator."""
 
   cluster: cluster_lib.Cluster
   costs: cluster_lib.StageCosts
@@ -57,13 +57,13 @@ class Context:
     return self.cluster.num_pipelines
 
   def group_seconds(self, stage: int, pipelines) -> float:
-    """Ring all-reduce (model averaging) of the stage's parameters in a group."""
+    """Ring all-reduce (model averaging) of a stage's parameters in a group."""
     return cluster_lib.ring_allreduce_seconds(
         self.costs.param_bytes[stage], len(pipelines),
         self.cluster.group_link(stage, pipelines))
 
   def ps_seconds(self, stage: int) -> float:
-    """One push or pull of the stage's parameters to its parameter-server shard."""
+    """One push or pull of the stage's parameters to its PS shard."""
     return self.cluster.ps.seconds(self.costs.param_bytes[stage])
 
   def ps_transfer(self, stage: int, arrivals: np.ndarray) -> np.ndarray:
@@ -97,7 +97,7 @@ def fifo(arrivals: np.ndarray, service: float) -> np.ndarray:
 
 def averaged(ctx: Context, stage: int, group: np.ndarray, start: float
              ) -> tuple[float, CommEvent]:
-  """A group averages its models by ring all-reduce from `start`: (end, event)."""
+  """A group ring-averages its models from `start`: `(end, event)`."""
   end = start + ctx.group_seconds(stage, group)
   n = len(group)
   return end, CommEvent(group, np.full(n, start), np.full(n, end))
@@ -116,7 +116,7 @@ class Runner:
     return SyncOutcome(applied=ready)
 
   def gate(self, stage: int, minibatch: int) -> float:
-    """Earliest start of the minibatch's first task on the stage, all pipelines."""
+    """Earliest start of the minibatch's first task on the stage (all)."""
     del stage, minibatch
     return -np.inf
 
@@ -220,7 +220,7 @@ class ParameterServer:
 
   References:
     Li et al, Scaling distributed machine learning with the parameter server
-    <https://www.usenix.org/conference/osdi14/technical-sessions/presentation/li_mu>,
+    <https://www.usenix.org/system/files/conference/osdi14/osdi14-paper-li_mu.pdf>,
     2014 (seed 001 §5)
   """
 
@@ -288,25 +288,55 @@ class ADPSGD:
 
 
 def isolated() -> Isolated:
-  """No sync across pipelines."""
+  """No sync across pipelines.
+
+  Examples:
+    >>> isolated().name
+    'isolated'
+  """
   return Isolated()
 
 
 def bsp() -> BSP:
-  """Ring all-reduce every iteration (see `BSP`)."""
+  """Ring all-reduce every iteration (see `BSP`).
+
+  Examples:
+    >>> import stalepipe as sp
+    >>> s = sp.schedules.make("gpipe", num_stages=1, num_microbatches=1)
+    >>> link = sp.sim.Link(bandwidth=1e9)
+    >>> c = sp.sim.Cluster.grid(4, 1, intra=link, inter=link)
+    >>> costs = sp.sim.StageCosts.uniform(1, 1.0, 2.0, param_bytes=4e9)
+    >>> sp.sim.simulate(s, c, costs, bsp()).makespan  # 3 + 2 * 3/4 * 4
+    9.0
+  """
   return BSP()
 
 
 def parameter_server() -> ParameterServer:
-  """Synchronous push/pull through a parameter server (see `ParameterServer`)."""
+  """Synchronous push/pull through a parameter server (`ParameterServer`).
+
+  Examples:
+    >>> parameter_server().name
+    'parameter_server'
+  """
   return ParameterServer()
 
 
 def ad_psgd() -> ADPSGD:
-  """Random pairwise averaging every iteration (see `ADPSGD`)."""
+  """Random pairwise averaging every iteration (see `ADPSGD`).
+
+  Examples:
+    >>> ad_psgd().name
+    'ad_psgd'
+  """
   return ADPSGD()
 
 
 def local_sgd(period: int) -> LocalSGD:
-  """Averaging of all replicas every `period` iterations (see `LocalSGD`)."""
+  """Averaging of all replicas every `period` iterations (see `LocalSGD`).
+
+  Examples:
+    >>> local_sgd(8).period
+    8
+  """
   return LocalSGD(period)

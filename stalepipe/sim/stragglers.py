@@ -25,7 +25,7 @@ _HETE = {("A", "resnet"): 0.1, ("A", "bert"): 0.2,
 
 @dataclasses.dataclass(frozen=True)
 class Stragglers:
-  """Each worker sleeps `delay` seconds with probability `probability` per iteration.
+  """Each worker sleeps `delay` s with probability `probability` per iteration.
 
   Draws are independent across workers and iterations (seed 002 §5.1).
 
@@ -46,13 +46,13 @@ class Stragglers:
 
   def sample(self, shape: tuple[int, int, int], rng: np.random.Generator
              ) -> tuple[np.ndarray, np.ndarray]:
-    """`(delay, multiplier)`, each of `shape = [iterations, pipelines, stages]`."""
+    """`(delay, multiplier)`, each `[iterations, pipelines, stages]`."""
     hit = rng.random(shape) < self.probability
     return hit * self.delay, np.ones(shape)
 
 
 def hete(setting: str, model: str = "resnet") -> Stragglers:
-  """SDPipe's heterogeneous settings (seed 002 §5.1): "A" or "B", "resnet" or "bert".
+  """SDPipe's hete-A / hete-B (seed 002 §5.1) for "resnet" or "bert".
 
   Examples:
     >>> hete("B")
@@ -111,7 +111,17 @@ class Trace:
 
 
 def load_trace(path: str, kind: str = "multiplier") -> Trace:
-  """Reads a `[iterations, workers]` trace from a `.npy` or `.json` file."""
+  """Reads a `[iterations, workers]` trace from a `.npy` or `.json` file.
+
+  Examples:
+    >>> import os, tempfile
+    >>> path = os.path.join(tempfile.mkdtemp(), "trace.json")
+    >>> with open(path, "w") as f:
+    ...   f.write("[[1.0, 2.0]]")
+    12
+    >>> load_trace(path).values.tolist()
+    [[1.0, 2.0]]
+  """
   ext = os.path.splitext(path)[1]
   if ext == ".npy":
     values = np.load(path)

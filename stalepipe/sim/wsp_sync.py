@@ -30,7 +30,7 @@ from stalepipe.sim import policy
 
 def required_wave(minibatch: int, concurrent_minibatches: int,
                   clock_distance: int) -> int:
-  r"""The last global wave minibatch `minibatch` (0-based) must read; -1 for none.
+  r"""The last global wave minibatch `minibatch` (0-based) reads; -1 if none.
 
   .. math:: \lfloor (q+1)/N_m \rfloor - D - 2
 
