@@ -343,8 +343,12 @@ def simulate(schedule: core.Schedule, cluster: cluster_lib.Cluster,
   applied = np.full((S, B + 1, N), np.inf)
   applied[:, 0] = 0.0
   local_end = np.zeros((S, B, N))
+  # know[s][i, j]: updates of replica j that replica i's stage s reflects,
+  # kept for the versions a later backward may still read (a ring buffer).
   know = np.zeros((S, N, N), dtype=np.int64)
-  history = np.zeros((S, B + 1, N, N), dtype=np.int64)
+  depth = int((np.arange(1, B + 1)[None] - plan.backward_version).max()) + 1
+  history = np.zeros((S, depth, N, N), dtype=np.int64)
+  reflected = np.zeros((S, B, N), dtype=np.int64)
   diagonal = np.arange(N)
   comm = []
   stage, minibatch, dep = plan.stage.tolist(), plan.minibatch.tolist(), plan.dep
@@ -370,11 +374,14 @@ def simulate(schedule: core.Schedule, cluster: cluster_lib.Cluster,
     free[s] = local_end[s, p] = e
     out = runner.sync(s, p, e)
     applied[s, p + 1] = np.maximum(out.applied, applied[s, p])
+    read = history[s, plan.backward_version[s, p] % depth]
+    floor = runner.floor(s, start[plan.first_task[s, p]])
+    reflected[s, p] = np.maximum(read, floor[:, None]).sum(axis=1)
     k = know[s]
     k[diagonal, diagonal] = p + 1
     for g in out.groups:
       k[g] = k[g].max(axis=0)
-    history[s, p + 1] = k
+    history[s, (p + 1) % depth] = k
     comm.extend((s, c) for c in out.comm)
 
   start, end = start[:T], end[:T]
@@ -387,7 +394,7 @@ def simulate(schedule: core.Schedule, cluster: cluster_lib.Cluster,
     wait[s] = (start[mine] - ready[mine] + blocked[mine]).sum(0)
   busy += update.sum(0)
   delayed = delay.sum(0)
-  staleness = _staleness(plan, runner, start, applied, history)
+  staleness = _staleness(applied, reflected)
   extras = dict(runner.extras(), local_update_end=local_end)
   return SimResult(
       schedule=schedule, cluster=cluster, policy=policy.name,
@@ -418,16 +425,12 @@ def _transfers(plan: _Plan, cluster: cluster_lib.Cluster,
   return xfer
 
 
-def _staleness(plan: _Plan, runner, start: np.ndarray, applied: np.ndarray,
-               history: np.ndarray) -> np.ndarray:
-  """`[N, B, S]`: updates in place anywhere minus updates reflected."""
-  S, B1, N = applied.shape
-  out = np.zeros((S, B1 - 1, N), dtype=np.int64)
+def _staleness(applied: np.ndarray, reflected: np.ndarray) -> np.ndarray:
+  """`[N, B, S]`: updates in place anywhere before each, minus reflected."""
+  S, B1, _ = applied.shape
+  out = np.zeros((S, B1 - 1, applied.shape[2]), dtype=np.int64)
   for s in range(S):
-    reflected = history[s, plan.backward_version[s]]  # [B, N, N]
-    floor = runner.floor(s, start[plan.first_task[s]])  # [B, N]
-    reflected = np.maximum(reflected, floor[..., None]).sum(-1)
     times = applied[s, 1:]
     fresher = np.searchsorted(np.sort(times, axis=None), times, side="left")
-    out[s] = fresher - reflected
+    out[s] = fresher - reflected[s]
   return out.transpose(2, 1, 0)
