@@ -313,3 +313,36 @@ def test_bad_inputs_raise():
                     sp.sim.StageCosts.uniform(2))
   with pytest.raises(ValueError, match="clock_distance"):
     sp.sim.wsp(-1, 4)
+
+
+@pytest.mark.parametrize("name,kw", SCHEDULES)
+@pytest.mark.parametrize("S,M", [(3, 3), (4, 1)])
+def test_tile_equals_building_directly(name, kw, S, M):
+  if name == "2bw" and M < S:
+    M = S
+  short = make(name, S, M, 3 * S + 6, **kw)
+  tiled = sp.sim.tile(short, 31)
+  direct = short.with_minibatches(31)
+  assert tiled.tasks == direct.tasks
+  assert dict(tiled.versions) == dict(direct.versions)
+
+
+def test_local_sgd_and_memory():
+  N, B, H = 3, 7, 3
+  link = sp.sim.Link(bandwidth=1e6, latency=0.0)
+  cluster = sp.sim.Cluster.grid(N, 1, intra=link, inter=link)
+  costs = sp.sim.StageCosts.uniform(1, 1.0, 1.0, param_bytes=3e6)
+  r = sp.sim.simulate(make("gpipe", 1, 1, B), cluster, costs,
+                      sp.sim.local_sgd(H))
+  ring = 2 * (N - 1) / N * 3.0
+  assert r.makespan == pytest.approx(B * 2.0 + (B // H) * ring)
+  s = make("pipedream", 3, 2, 6)
+  costs = sp.sim.StageCosts.uniform(3, param_bytes=100.0,
+                                    activation_bytes=(10.0, 20.0, 30.0))
+  need = [100.0 * d + a * f for d, a, f in
+          zip(s.stash_depth, (10.0, 20.0, 30.0), s.max_in_flight)]
+  small = sp.sim.Device(memory_bytes=min(need))
+  cluster = sp.sim.Cluster(((small,) * 3,), intra=FREE, inter=FREE)
+  r = sp.sim.simulate(s, cluster, costs)
+  np.testing.assert_allclose(r.memory_required, need)
+  np.testing.assert_array_equal(r.fits[0], np.array(need) <= min(need))

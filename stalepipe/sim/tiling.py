@@ -32,7 +32,7 @@ def _signatures(schedule: core.Schedule):
 
 
 def _steady(first, signature, K):
-  """`(a, q, shift, b)`: minibatches `a..b-1` repeat every `q`, `shift` later."""
+  """`(a, q, shift, b)`: minibatches a..b-1 repeat every q, shift ticks on."""
   for q in range(1, K // 3 + 1):
     same = [p for p in range(K - q) if signature[p] == signature[p + q]]
     if len(same) < q + 1 or same != list(range(same[0], same[-1] + 1)):
