@@ -1,9 +1,16 @@
 r"""Runs an experiment from a config file.
 
-  python launch.py --config=configs/default.py [--config.key=value ...] \
-      [--workdir=DIR]
+  python launch.py --config=configs/default.py[:variant=NAME] \
+      [--config.key=value ...] [--workdir=DIR]
 
-With no flags it runs configs/default.py into a new directory under runs/.
+With no flags it runs configs/default.py into a new directory under runs/. A
+workdir holding a checkpoint is resumed. On several hosts, start one process
+per host with the same flags plus
+
+  --coordinator_address=HOST:PORT --num_processes=N --process_id=I
+
+or none of them under SLURM (or another cluster `jax.distributed.initialize()`
+detects), which then finds them in the environment.
 """
 
 import datetime
@@ -18,6 +25,12 @@ from ml_collections import config_flags
 _DEFAULT_CONFIG = "configs/default.py"
 _WORKDIR = flags.DEFINE_string(
     "workdir", None, "Output directory (default: a new one under runs/).")
+_COORDINATOR = flags.DEFINE_string(
+    "coordinator_address", None, "HOST:PORT of process 0, for multi-host runs.")
+_NUM_PROCESSES = flags.DEFINE_integer(
+    "num_processes", None, "Number of processes of a multi-host run.")
+_PROCESS_ID = flags.DEFINE_integer(
+    "process_id", None, "This process's index, 0 to num_processes - 1.")
 
 
 def _define_config_flag(argv):
@@ -60,6 +73,36 @@ def _emulate_cpu_devices(count: int = 8):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + flag).strip()
 
 
+def _cluster_environment() -> bool:
+  """Whether SLURM, Open MPI or JAX's variables describe a multi-process job."""
+  sizes = (os.environ.get("SLURM_NTASKS", "1"),
+           os.environ.get("OMPI_COMM_WORLD_SIZE", "1"))
+  return (any(size != "1" for size in sizes)
+          or "JAX_COORDINATOR_ADDRESS" in os.environ)
+
+
+def _initialize_distributed():
+  """Joins a multi-process run when the flags or the environment name one.
+
+  Must run before JAX touches a device.
+  """
+  import jax  # pylint: disable=g-import-not-at-top
+  given = (_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
+  if all(v is None for v in given):
+    if not _cluster_environment():
+      return
+  elif any(v is None for v in given):
+    raise ValueError("--coordinator_address, --num_processes and "
+                     "--process_id are invalid alone; valid: all three, or "
+                     "none (found in a SLURM/MPI environment)")
+  elif not 0 <= _PROCESS_ID.value < _NUM_PROCESSES.value:
+    raise ValueError(f"--process_id={_PROCESS_ID.value} is invalid; valid: "
+                     f"0 to {_NUM_PROCESSES.value - 1}")
+  # CPU processes talk over gloo; GPUs use NCCL whatever this says.
+  jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  jax.distributed.initialize(*given)
+
+
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
@@ -68,11 +111,16 @@ def main(argv):
   from stalepipe.train import trainer  # pylint: disable=g-import-not-at-top
   workdir = _WORKDIR.value or os.path.join(
       "runs", datetime.datetime.now().strftime("%Y%m%d-%H%M%S-%f"))
-  print(config)
   try:
+    _initialize_distributed()
+    print(config)
     summary = trainer.train_and_evaluate(config, workdir)
   except ValueError as e:
     sys.exit(f"launch.py: error: {e}")
+  if "preempted" in summary:
+    sys.exit(f"launch.py: stopped by {summary['preempted']} at step "
+             f"{summary['steps']}; checkpoint {summary['checkpoint']}; run "
+             "the same command again to resume")
   print(f"final loss {summary['final_loss']:.4f}  test accuracy "
         f"{summary['test_accuracy']:.2%}  {summary['steps_per_s']:.1f} steps/s  "
         f"({summary['steps']} steps in {summary['seconds']:.1f} s)  "

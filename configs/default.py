@@ -2,21 +2,65 @@ r"""Default: an MLP on digits, GPipe over 4 stages x 2 data replicas.
 
 Run:
   python launch.py --config=configs/default.py --workdir=runs/default
-Override any field, e.g. `--config.num_microbatches=8`.
+
+Model and data variants (`:variant=NAME`): mlp_digits (default),
+mlp_synthetic, vgg_digits, resnet_digits, vgg_cifar10, resnet_cifar10,
+transformer_chars, e.g.
+  python launch.py --config=configs/default.py:variant=transformer_chars
+Every method config takes the same variants. Override any field, e.g.
+`--config.num_microbatches=8`; CIFAR-10 reads the python-pickle batches from
+`--config.dataset_kwargs.data_dir=DIR`.
 """
 
 import ml_collections
 
+from configs import common
+
+_DIGITS_IMAGE = {"input_shape": (8, 8, 1)}
+_CIFAR10 = {"dataset": "cifar10",
+            "dataset_kwargs": {"data_dir": "~/data/cifar-10-batches-py"},
+            "num_steps": 2000}
+VARIANTS = {
+    "mlp_digits": {},
+    "mlp_synthetic": {
+        "dataset": "synthetic",
+        "dataset_kwargs": {"num_train": 4096, "num_test": 1024,
+                           "in_features": 32, "num_classes": 10, "seed": 0}},
+    "vgg_digits": {
+        **_DIGITS_IMAGE, "model": "vgg",
+        "model_kwargs": {"stages": ((16, 16), (32, 32)), "dense": (64,)}},
+    "resnet_digits": {
+        **_DIGITS_IMAGE, "model": "resnet",
+        "model_kwargs": {"stem_width": 16, "widths": (16, 32),
+                         "depths": (1, 1)}},
+    "vgg_cifar10": {
+        **_CIFAR10, "model": "vgg",
+        "model_kwargs": {"stages": ((32, 32), (64, 64)), "dense": (128,)}},
+    "resnet_cifar10": {**_CIFAR10, "model": "resnet", "model_kwargs": {}},
+    "transformer_chars": {
+        "dataset": "chars", "dataset_kwargs": {"seq_len": 64},
+        "model": "transformer", "loss": "lm_cross_entropy",
+        "model_kwargs": {"d_model": 64, "num_heads": 4, "num_layers": 2},
+        "optimizer_kwargs": {"learning_rate": 3e-3}, "microbatch_size": 4},
+}
+
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-  del arg
+  """The default experiment, with the model/data variant named in `arg`."""
+  arg = common.parse_arg(arg, variant="mlp_digits")
+  if arg.variant not in VARIANTS:
+    raise ValueError(f"variant {arg.variant!r} is invalid; valid: "
+                     f"{', '.join(VARIANTS)}")
   config = ml_collections.ConfigDict()
   config.seed = 0
-  # Data and model.
+  # Data and model, chosen by name (stalepipe.data, stalepipe.models).
   config.dataset = "digits"
+  config.dataset_kwargs = ml_collections.ConfigDict({"seed": 0})
+  config.input_shape = ()  # reshape each example to this; () = as loaded
   config.model = "mlp"
   config.model_kwargs = ml_collections.ConfigDict(
       {"hidden": 128, "num_hidden_layers": 3})
+  config.loss = "cross_entropy"  # stalepipe.models.losses
   # Pipeline: mesh ('data', 'stage') = (num_replicas, num_stages).
   config.schedule = "gpipe"
   config.schedule_kwargs = ml_collections.ConfigDict()
@@ -26,9 +70,24 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.num_microbatches = 4
   config.microbatch_size = 8  # examples per micro-batch per data replica
   config.minibatches_per_window = 4  # minibatches per jitted pipeline step
-  # Optimization.
+  # Synchronisation across the data replicas (stalepipe.sync).
+  config.sync = "bsp"
+  config.sync_kwargs = ml_collections.ConfigDict()
+  # Optimization: (name, kwargs) transforms from stalepipe.optim, applied in
+  # order before the optax optimizer named by `optimizer`.
+  config.transforms = ()
   config.optimizer = "adam"
   config.optimizer_kwargs = ml_collections.ConfigDict({"learning_rate": 1e-3})
   config.num_steps = 800  # minibatches
-  config.log_every = 10  # windows
+  # Logging, evaluation and checkpoints; intervals in windows, 0 = only at
+  # the end.
+  config.log_every = 10
+  config.eval_every = 50
+  config.checkpoint_every = 50
+  config.keep_checkpoints = 2
+  config.plots = True
+
+  for key, value in VARIANTS[arg.variant].items():
+    config[key] = (ml_collections.ConfigDict(value) if isinstance(value, dict)
+                   else value)
   return config

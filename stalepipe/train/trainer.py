@@ -1,12 +1,21 @@
-"""Turns a config into a run: mesh, data, model, pipeline, loop, metrics.
+"""Turns a config into a run: mesh, input, model, pipeline, checkpoint, loop.
 
 One linear file with labelled sections, after big_vision's `train.py` and the
-Flax examples' `train.py`.
+Flax examples' `train.py`. A run writes into its workdir:
+
+- `config.json`, `metrics.jsonl`, `tb/` (TensorBoard), `summary.json`,
+  `loss.png`, `schedule.png`, `params.npz` (the final weights);
+- `checkpoints/<window>/`: the whole pipeline state and the trainer's
+  position. A run started on a workdir that holds a checkpoint resumes from
+  it and ends with exactly the parameters of the uninterrupted run.
+
+SIGTERM or SIGINT stops the run after the current window with a checkpoint;
+a NaN or inf loss stops it, naming the step, without saving the broken
+state (the last good checkpoint stays).
 """
 
 import json
 import os
-import sys
 import time
 from typing import Any
 
@@ -14,33 +23,26 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
-import optax
+from jax.sharding import NamedSharding
 
-from stalepipe import data as data_lib
 from stalepipe import models
 from stalepipe import schedules
+from stalepipe import sync as sync_lib
+from stalepipe.models import losses
 from stalepipe.pipeline import executor
+from stalepipe.train import checkpoint as checkpoint_lib
+from stalepipe.train import input_pipeline
+from stalepipe.train import metrics as metrics_lib
+from stalepipe.train import optimizers
+from stalepipe.train import preemption as preemption_lib
 
-_DATASETS = {"digits": data_lib.digits}
-
-
-def _choose(registry: dict, name: str, what: str):
-  if name not in registry:
-    raise ValueError(f"unknown {what} {name!r}; valid: {', '.join(registry)}")
-  return registry[name]
-
-
-def make_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransformation:
-  """The optax optimizer named by `config.optimizer` with its kwargs."""
-  factory = getattr(optax, config.optimizer, None)
-  if factory is None or not callable(factory):
-    raise ValueError(f"unknown optimizer {config.optimizer!r}; valid: an optax "
-                     "alias such as sgd, adam, adamw")
-  return factory(**config.optimizer_kwargs)
+LOSSES = {"cross_entropy": losses.cross_entropy,
+          "lm_cross_entropy": losses.lm_cross_entropy}
+_EVAL_BATCH = 512
 
 
 def make_mesh(num_replicas: int, num_stages: int) -> jax.sharding.Mesh:
-  """A ('data', 'stage') mesh over the first D * S devices."""
+  """A ('data', 'stage') mesh over the first D * S devices (of all processes)."""
   devices = jax.devices()
   need = num_replicas * num_stages
   if need > len(devices):
@@ -49,116 +51,234 @@ def make_mesh(num_replicas: int, num_stages: int) -> jax.sharding.Mesh:
         f"{need} devices does not fit the {len(devices)} "
         f"{devices[0].platform.upper()} devices here; valid: at most "
         f"{len(devices)}")
-  grid = np.asarray(devices[:need]).reshape(num_replicas, num_stages)
-  return jax.sharding.Mesh(grid, (executor.DATA, executor.STAGE))
+  return jax.make_mesh((num_replicas, num_stages),
+                       (executor.DATA, executor.STAGE), devices=devices[:need])
 
 
-def classification_loss(logits: jax.Array, labels: jax.Array) -> jax.Array:
-  """Mean softmax cross-entropy over a micro-batch."""
-  return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+def model_kwargs(name: str, example: np.ndarray, num_classes: int
+                 ) -> dict[str, Any]:
+  """The model arguments the data decide (widths of input and output)."""
+  if name == "mlp":
+    return {"in_features": int(np.prod(example.shape)),
+            "num_classes": num_classes}
+  if name in ("vgg", "resnet"):
+    if example.ndim != 3:
+      raise ValueError(f"model {name!r} needs images [h, w, c], not examples "
+                       f"of shape {example.shape}; valid: set input_shape")
+    extra = {"image_size": example.shape[0]} if name == "vgg" else {}
+    return {"num_classes": num_classes, "in_channels": example.shape[-1],
+            **extra}
+  if name == "transformer":
+    return {"vocab_size": num_classes, "max_len": example.shape[0]}
+  raise ValueError(f"unknown model {name!r}; valid: {', '.join(models.names())}")
 
 
-class _Progress:
-  """A one-line progress bar on stderr."""
+def abstract_state(pipe: executor.Pipeline, state: executor.PipelineState,
+                   inputs: np.ndarray, targets: np.ndarray) -> Any:
+  """The structure of the state after a step: what a checkpoint restores to."""
+  shapes = jax.eval_shape(lambda: pipe.step(state, inputs, targets)[0])
+  return jax.tree.map(
+      lambda s: jax.ShapeDtypeStruct(
+          s.shape, s.dtype, sharding=NamedSharding(pipe.mesh, s.sharding.spec)),
+      shapes)
 
-  def __init__(self, total: int):
-    self.total, self.start = total, time.time()
 
-  def show(self, done: int, loss: float):
-    width = 30
-    filled = int(width * done / self.total)
-    rate = done / max(time.time() - self.start, 1e-9)
-    sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] "
-                     f"{done}/{self.total} loss {loss:.4f} {rate:.1f} steps/s")
-    if done == self.total:
-      sys.stderr.write("\n")
-    sys.stderr.flush()
+@jax.jit
+def all_finite(tree: Any) -> jax.Array:
+  return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x))
+                            for x in jax.tree.leaves(tree)]))
+
+
+def evaluate(model_fn, params, x: np.ndarray, y: np.ndarray,
+             loss_fn) -> tuple[float, float]:
+  """Mean loss and accuracy (per label: per token for a language model)."""
+  total_loss, correct, count = 0.0, 0.0, 0
+  for i in range(0, len(x), _EVAL_BATCH):
+    logits = model_fn(params, jnp.asarray(x[i:i + _EVAL_BATCH]))
+    labels = jnp.asarray(y[i:i + _EVAL_BATCH])
+    total_loss += float(loss_fn(logits, labels)) * len(labels)
+    correct += float(jnp.sum(jnp.argmax(logits, -1) == labels))
+    count += len(labels)
+  return total_loss / count, correct / (count * np.prod(y.shape[1:]))
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict,
                        workdir: str) -> dict[str, Any]:
-  """Trains per `config`, writing `config.json` and `metrics.jsonl` to `workdir`.
+  """Trains per `config` in `workdir`, resuming from its latest checkpoint.
 
   Returns:
-    The summary: final loss, test accuracy, steps (minibatches) per second.
+    The summary: final loss, test accuracy, steps (minibatches), throughput,
+    and `preempted` (the signal's name) if a signal stopped the run.
+
+  Raises:
+    ValueError: on a bad config, an unreadable or foreign checkpoint, or a
+      NaN/inf loss (naming the step).
   """
-  # Mesh.
-  mesh = make_mesh(config.num_replicas, config.num_stages)
+  config_dict = json.loads(config.to_json())
   is_writer = jax.process_index() == 0
 
-  # Input.
-  dataset = _choose(_DATASETS, config.dataset, "dataset")(seed=config.seed)
-  D, M, B = config.num_replicas, config.num_microbatches, config.minibatches_per_window
-  b = config.microbatch_size
-  minibatch_size = M * D * b
-  if minibatch_size > len(dataset.x_train):
-    raise ValueError(f"minibatch of {minibatch_size} examples exceeds the "
-                     f"{len(dataset.x_train)} training examples")
+  # Mesh.
+  D, S = config.num_replicas, config.num_stages
+  M, B, b = (config.num_microbatches, config.minibatches_per_window,
+             config.microbatch_size)
+  mesh = make_mesh(D, S)
+  local = [r for r in range(D) if any(
+      d.process_index == jax.process_index() for d in mesh.devices[r])]
 
-  # Model and optimizer.
-  blocks = models.make(config.model, in_features=dataset.x_train.shape[-1],
-                       num_classes=dataset.num_classes, seed=config.seed,
-                       **config.model_kwargs)
-  boundaries = (tuple(config.stage_boundaries) if config.stage_boundaries
-                else config.num_stages)
+  # Input: this process loads only the shards of its own data replicas.
+  shards = []
+  for r in local:
+    ds = input_pipeline.load(config.dataset, dict(config.dataset_kwargs), r, D,
+                             config.input_shape)
+    shards.append(input_pipeline.Shard(r, ds.x_train, ds.y_train))
+  x_test, y_test, num_classes = ds.x_test, ds.y_test, ds.num_classes
+
+  def batch(window):
+    return input_pipeline.window_batch(shards, window, B, M, b, config.seed)
+
+  # Model, optimizer and pipeline.
+  if config.loss not in LOSSES:
+    raise ValueError(f"unknown loss {config.loss!r}; valid: "
+                     f"{', '.join(LOSSES)}")
+  loss_fn = LOSSES[config.loss]
+  blocks = models.make(config.model, seed=config.seed, **config.model_kwargs,
+                       **model_kwargs(config.model, x_test[0], num_classes))
+  boundaries = tuple(config.stage_boundaries) or S
   if isinstance(boundaries, int) and not 1 <= boundaries <= len(blocks):
     raise ValueError(f"num_stages={boundaries} does not fit the model's "
                      f"{len(blocks)} blocks; valid: 1 to {len(blocks)}")
   staged = models.split(blocks, boundaries)
-  if len(staged.stage_fns) != config.num_stages:
+  if len(staged.stage_fns) != S:
     raise ValueError(f"stage_boundaries {config.stage_boundaries} give "
                      f"{len(staged.stage_fns)} stages; valid: "
-                     f"num_stages={config.num_stages} boundaries")
-  schedule = schedules.make(config.schedule, num_stages=config.num_stages,
-                            num_microbatches=M, num_minibatches=B,
-                            **config.schedule_kwargs)
-  pipe = executor.Pipeline(staged.stage_fns, classification_loss, schedule,
-                           make_optimizer(config), mesh)
+                     f"num_stages={S} boundaries")
+  schedule = schedules.make(config.schedule, num_stages=S, num_microbatches=M,
+                            num_minibatches=B, **config.schedule_kwargs)
+  optimizer = optimizers.make(config.transforms, config.optimizer,
+                              config.optimizer_kwargs)
+  sync = sync_lib.make(config.sync, num_replicas=D, **config.sync_kwargs)
+  pipe = executor.Pipeline(staged.stage_fns, loss_fn, schedule, optimizer,
+                           mesh, sync=sync)
   state = pipe.init(staged.stage_params)
   model_fn = jax.jit(models.unpipelined(staged))
 
-  # Loop.
+  # Checkpoint: resume from the workdir's latest, if any.
+  ckpt = checkpoint_lib.Checkpointer(os.path.join(workdir, "checkpoints"),
+                                     keep=config.keep_checkpoints)
+  restored = ckpt.restore(abstract_state(pipe, state, *batch(0)), config_dict)
+  first = 0
+  if restored is not None:
+    state, position = restored
+    first = position["window"]
+
+  # Metrics.
+  num_windows = max(1, config.num_steps // B)
   if is_writer:
     os.makedirs(workdir, exist_ok=True)
     with open(os.path.join(workdir, "config.json"), "w") as f:
       f.write(config.to_json(indent=2))
-  rng = np.random.default_rng(config.seed)
-  num_windows = max(1, config.num_steps // B)
-  progress = _Progress(num_windows * B)
-  order, cursor = rng.permutation(len(dataset.x_train)), 0
-  metrics_path = os.path.join(workdir, "metrics.jsonl")
-  start, loss = None, float("nan")
-  with open(metrics_path, "w") if is_writer else open(os.devnull, "w") as log:
-    for window in range(1, num_windows + 1):
-      need = B * minibatch_size
-      if cursor + need > len(order):
-        order, cursor = rng.permutation(len(dataset.x_train)), 0
-      idx = order[cursor:cursor + need].reshape(B, M, D * b)
-      cursor += need
-      state, metrics = pipe.step(state, dataset.x_train[idx],
-                                 dataset.y_train[idx])
-      if start is None:  # time the steady state, after compilation
-        jax.block_until_ready(metrics)
-        start = time.time()
-      if window % config.log_every == 0 or window == num_windows:
-        loss = float(metrics["loss"])
-        steps = window * B
-        rate = (steps - B) / max(time.time() - start, 1e-9)
-        log.write(json.dumps({"step": steps, "loss": loss,
-                              "steps_per_s": rate}) + "\n")
-        log.flush()
-        if is_writer:
-          progress.show(steps, loss)
-  elapsed = time.time() - start
-  steps_per_s = (num_windows - 1) * B / elapsed if num_windows > 1 else 0.0
+  writer = metrics_lib.Writer(
+      workdir, is_writer, resume_step=None if restored is None else first * B)
+  progress = metrics_lib.Progress(num_windows * B, is_writer)
+  examples_per_step = M * D * b
+  static = {"bubble": schedule.bubble_fraction,
+            "staleness_mean": float(np.mean(schedule.staleness)),
+            "staleness_max": float(np.max(schedule.staleness))}
 
-  # Evaluation.
-  logits = model_fn(pipe.params(state), jnp.asarray(dataset.x_test))
-  accuracy = float(jnp.mean(jnp.argmax(logits, -1) == dataset.y_test))
-  summary = {"final_loss": loss, "test_accuracy": accuracy,
-             "steps": num_windows * B, "steps_per_s": steps_per_s,
-             "seconds": elapsed}
+  def check(window, step_metrics):
+    """Stops on a NaN/inf loss; the broken state is never saved."""
+    loss = float(step_metrics["loss"])
+    if int(step_metrics["num_losses"]) > 0 and not np.isfinite(loss):
+      ckpt.wait()
+      ckpt.close()
+      last = ckpt.latest_step()
+      kept = (f"last good checkpoint: {ckpt.directory}/{last}"
+              if last is not None else "no checkpoint was saved")
+      raise ValueError(f"loss is {loss} at step {window * B} (window "
+                       f"{window}); run stopped, {kept}")
+    return loss
+
+  def save(window):
+    if not bool(all_finite(state.params)):
+      raise ValueError(f"weights are not finite after step {window * B} "
+                       f"(window {window}); run stopped, last good "
+                       f"checkpoint: {ckpt.directory}/{ckpt.latest_step()}")
+    ckpt.save(window, state, {"window": window}, config_dict)
+
+  # Loop. Window w (1-based) runs the rows of input window w - 1; metrics of
+  # a window are read one window later, so the host never stalls the device.
+  start, loss, pending, preempted = None, float("nan"), None, None
+  with preemption_lib.Preemption() as preemption:
+    for window in range(first + 1, num_windows + 1):
+      state, step_metrics = pipe.step(state, *batch(window - 1))
+      if start is None:  # time the steady state, after compilation
+        jax.block_until_ready(step_metrics)
+        start, start_window = time.time(), window
+      if pending is not None:
+        loss = check(*pending)
+      pending = (window, step_metrics)
+      if window % config.log_every == 0 or window == num_windows:
+        loss = check(*pending)
+        rate = (window - start_window) * B / max(time.time() - start, 1e-9)
+        record = {"loss": loss, "steps_per_s": rate,
+                  "examples_per_s": rate * examples_per_step, **static,
+                  "state_bytes": metrics_lib.tree_bytes(state),
+                  **metrics_lib.memory_bytes()}
+        if config.eval_every and window % config.eval_every == 0:
+          record["test_loss"], record["test_accuracy"] = evaluate(
+              model_fn, pipe.params(state), x_test, y_test, loss_fn)
+        writer.write(window * B, record)
+        progress.show(window * B, loss)
+      if preemption.requested():
+        check(*pending)
+        save(window)
+        preempted = preemption.signal_name or "SIGTERM"
+        break
+      if config.checkpoint_every and window % config.checkpoint_every == 0:
+        check(*pending)
+        save(window)
+    else:
+      if pending is not None:
+        loss = check(*pending)
+        if ckpt.latest_step() != num_windows:
+          save(num_windows)
+  ckpt.wait()
+  ckpt.close()
+  done = window if preempted else num_windows
+  elapsed = time.time() - start if start is not None else 0.0
+  steps_per_s = ((done - start_window) * B / elapsed
+                 if start is not None and done > start_window else 0.0)
+  if preempted:
+    writer.close()
+    return {"preempted": preempted, "steps": done * B, "final_loss": loss,
+            "checkpoint": f"{ckpt.directory}/{done}"}
+
+  # Evaluation, summary and plots.
+  params = pipe.params(state)
+  test_loss, accuracy = evaluate(model_fn, params, x_test, y_test, loss_fn)
+  summary = {"final_loss": loss, "test_loss": test_loss,
+             "test_accuracy": accuracy, "steps": num_windows * B,
+             "resumed_from_step": first * B if restored else None,
+             "steps_per_s": steps_per_s,
+             "examples_per_s": steps_per_s * examples_per_step,
+             "seconds": elapsed, **static,
+             "state_bytes": metrics_lib.tree_bytes(state),
+             **metrics_lib.memory_bytes(), "device": str(jax.devices()[0]),
+             "num_devices": jax.device_count(),
+             "num_processes": jax.process_count()}
+  writer.write(num_windows * B, {"test_loss": test_loss,
+                                 "test_accuracy": accuracy})
+  writer.close()
   if is_writer:
     with open(os.path.join(workdir, "summary.json"), "w") as f:
       json.dump(summary, f, indent=2)
+    flat = jax.tree_util.tree_flatten_with_path(params)[0]
+    np.savez(os.path.join(workdir, "params.npz"),
+             **{jax.tree_util.keystr(k): np.asarray(v) for k, v in flat})
+    if config.plots:
+      title = f"{config.schedule} / {config.model} / {config.dataset}"
+      metrics_lib.plot_losses(writer.records,
+                              os.path.join(workdir, "loss.png"), title)
+      metrics_lib.plot_schedule(schedule, os.path.join(workdir, "schedule.png"),
+                                f"{config.schedule}: one window")
   return summary

@@ -1,0 +1,23 @@
+r"""SDPipe: pipelines synchronised by scheduled group averaging, variance-corrected Adam.
+
+Run:
+  python launch.py --config=configs/sdpipe.py --workdir=runs/sdpipe
+Model/data variants as in configs/default.py, e.g. `configs/sdpipe.py:variant=vgg_digits`.
+
+References:
+  Miao et al, SDPipe: A Semi-Decentralized Framework for Heterogeneity-aware Pipeline-parallel Training, VLDB 2023, seed 002 (§4 group scheduling, §5 Adam variance correction).
+"""
+
+import ml_collections
+
+from configs import default
+
+
+def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+  config = default.get_config(arg)
+  config.schedule = "1f1b"
+  config.sync = "sdpipe"
+  config.transforms = (
+      ("scale_by_variance_reduced_adam", {"num_workers": 2}),)
+  config.optimizer = "sgd"  # here only the learning-rate scaling
+  return config

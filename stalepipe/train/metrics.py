@@ -1,0 +1,131 @@
+"""Metrics out of a run: JSON lines, TensorBoard events, a progress bar, plots.
+
+Only process 0 writes (big_vision's habit); the others get a writer that
+drops everything. Files in the workdir:
+
+- `metrics.jsonl`: one `{"step": ..., **metrics}` object per line;
+- `tb/`: TensorBoard event files with the same scalars;
+- `loss.png`: training loss and test accuracy against the step;
+- `schedule.png`: a Gantt chart of the schedule of one window.
+"""
+
+import json
+import os
+import resource
+import sys
+import time
+from typing import Any
+
+import jax
+import matplotlib
+import numpy as np
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+
+from stalepipe.schedules import render  # pylint: disable=g-import-not-at-top
+
+
+class Writer:
+  """Writes scalars to `metrics.jsonl` and TensorBoard under `workdir`.
+
+  Args:
+    workdir: the run's directory.
+    enabled: False on processes other than 0: nothing is written.
+    resume_step: for a resumed run, the step of its checkpoint: the records
+      up to it are kept, later ones (written after that checkpoint, before
+      the stop) dropped. None starts anew.
+  """
+
+  def __init__(self, workdir: str, enabled: bool, resume_step: int | None):
+    self.enabled = enabled
+    self.records: list[dict[str, Any]] = []
+    if not enabled:
+      return
+    from tensorboardX import SummaryWriter  # pylint: disable=g-import-not-at-top
+    path = os.path.join(workdir, "metrics.jsonl")
+    if resume_step is not None and os.path.exists(path):
+      with open(path) as f:
+        self.records = [r for r in map(json.loads, filter(str.strip, f))
+                        if r["step"] <= resume_step]
+    self._jsonl = open(path, "w")
+    for record in self.records:
+      self._jsonl.write(json.dumps(record) + "\n")
+    self._tb = SummaryWriter(os.path.join(workdir, "tb"))
+
+  def write(self, step: int, metrics: dict[str, float]) -> None:
+    if not self.enabled:
+      return
+    record = {"step": step, **metrics}
+    self.records.append(record)
+    self._jsonl.write(json.dumps(record) + "\n")
+    self._jsonl.flush()
+    for key, value in metrics.items():
+      self._tb.add_scalar(key, value, step)
+
+  def close(self) -> None:
+    if self.enabled:
+      self._jsonl.close()
+      self._tb.close()
+
+
+class Progress:
+  """A one-line progress bar on stderr."""
+
+  def __init__(self, total: int, enabled: bool):
+    self.total, self.enabled, self.start = total, enabled, time.time()
+
+  def show(self, done: int, loss: float) -> None:
+    if not self.enabled:
+      return
+    width = 30
+    filled = int(width * done / max(self.total, 1))
+    sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] "
+                     f"{done}/{self.total} loss {loss:.4f}")
+    if done >= self.total:
+      sys.stderr.write("\n")
+    sys.stderr.flush()
+
+
+def memory_bytes() -> dict[str, float]:
+  """Peak memory: the first device's allocator where it reports one (GPU,
+  TPU), and this process's peak resident set on the host."""
+  out = {"host_peak_bytes": float(
+      resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)}
+  stats = jax.local_devices()[0].memory_stats()
+  if stats and "peak_bytes_in_use" in stats:
+    out["device_peak_bytes"] = float(stats["peak_bytes_in_use"])
+  return out
+
+
+def tree_bytes(tree: Any) -> float:
+  """Bytes of all the arrays of `tree`, over all their shards."""
+  return float(sum(np.prod(x.shape) * x.dtype.itemsize
+                   for x in jax.tree.leaves(tree)))
+
+
+def plot_losses(records: list[dict[str, Any]], path: str, title: str) -> None:
+  """Training loss (log scale) and test accuracy against the step."""
+  fig, ax = plt.subplots(figsize=(6, 3.5))
+  train = [(r["step"], r["loss"]) for r in records if "loss" in r]
+  if train:
+    ax.plot(*zip(*train), color="C0", label="train loss")
+    ax.set_yscale("log")
+  ax.set_xlabel("step (minibatches)")
+  ax.set_ylabel("train loss")
+  test = [(r["step"], r["test_accuracy"]) for r in records
+          if "test_accuracy" in r]
+  if test:
+    acc = ax.twinx()
+    acc.plot(*zip(*test), color="C1", marker="o", label="test accuracy")
+    acc.set_ylabel("test accuracy")
+    acc.set_ylim(0, 1)
+  ax.set_title(title)
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
+  plt.close(fig)
+
+
+def plot_schedule(schedule, path: str, title: str) -> None:
+  """The Gantt chart of the run's own schedule (one window)."""
+  render.gantt_png(render.schedule_events(schedule), path, title=title)
