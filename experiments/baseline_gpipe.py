@@ -155,7 +155,7 @@ class GPipeBaseline:
 
 def main():
   import stalepipe as sp  # pylint: disable=import-outside-toplevel
-  from stalepipe.train.trainer import classification_loss  # pylint: disable=import-outside-toplevel
+  from stalepipe.models.losses import cross_entropy as classification_loss  # pylint: disable=import-outside-toplevel
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--hidden", type=int, default=512)
   parser.add_argument("--micro", type=int, default=8)

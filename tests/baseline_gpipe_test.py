@@ -10,7 +10,7 @@ import optax
 import pytest
 
 import stalepipe as sp
-from stalepipe.train.trainer import classification_loss
+from stalepipe.models.losses import cross_entropy as classification_loss
 
 _PATH = pathlib.Path(__file__).parent.parent / "experiments" / "baseline_gpipe.py"
 _SPEC = importlib.util.spec_from_file_location("baseline_gpipe", _PATH)

@@ -1,0 +1,70 @@
+"""Shared set-up of the executor benchmarks (`executor_*.py`).
+
+Importing it first gives 8 emulated CPU devices. The model is the one every
+benchmark uses: `stalepipe.models.mlp` of width H with `layers` blocks per
+stage, so that all S stages are identical `H x H` stages (which the stacked
+MaxText-style baseline needs).
+"""
+
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # pylint: disable=g-import-not-at-top,wrong-import-position
+import numpy as np  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+import stalepipe as sp  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+ASYNC = ("1f1b", "pipedream", "2bw", "hetpipe", "timeprest")
+_OPTIONS = {"hetpipe": {"concurrent_minibatches": 2}}
+
+
+def make_schedule(name: str, stages: int, micro: int, minibatches: int):
+  return sp.schedules.make(name, num_stages=stages, num_microbatches=micro,
+                           num_minibatches=minibatches,
+                           **_OPTIONS.get(name, {}))
+
+
+def make_model(stages: int, hidden: int, layers: int, seed: int = 0):
+  """`stages` identical stages of `layers` blocks `hidden -> hidden`."""
+  blocks = sp.models.mlp(hidden, hidden, stages * layers - 1, hidden,
+                         seed=seed)
+  return sp.models.split(blocks, stages)
+
+
+def make_batch(minibatches: int, micro: int, examples: int, hidden: int,
+               seed: int = 0):
+  """Inputs `[B, M, N, H]` and integer labels `[B, M, N]` in `[0, H)`."""
+  rng = np.random.default_rng(seed)
+  x = rng.normal(size=(minibatches, micro, examples, hidden))
+  y = rng.integers(0, hidden, size=(minibatches, micro, examples))
+  return x.astype(np.float32), y.astype(np.int32)
+
+
+def step_function(pipe, state, inputs, targets):
+  """The executor's jitted step, and the arguments `pipe.step` passes it.
+
+  Runs two windows through `pipe.step`, recording the second call's
+  arguments. Returns `(step_fn, state, args)`: `step_fn(state, *args)` runs
+  one more window (the state is donated: use the one it returns).
+  """
+  state, _ = pipe.step(state, inputs, targets)
+  ((key, step_fn),) = pipe._step_fns.items()  # pylint: disable=protected-access
+  recorded = []
+
+  def recorder(*args):
+    recorded.append(args[1:])
+    return step_fn(*args)
+
+  pipe._step_fns[key] = recorder  # pylint: disable=protected-access
+  state, _ = pipe.step(state, inputs, targets)
+  pipe._step_fns[key] = step_fn  # pylint: disable=protected-access
+  return step_fn, state, recorded[0]
+
+
+def tables_index(pipe, args) -> int:
+  """Which of `args` holds the instruction tables."""
+  shape = np.shape(pipe.program.tables)
+  (i,) = [i for i, a in enumerate(args) if np.shape(a) == shape]
+  return i
