@@ -1,0 +1,98 @@
+"""Stash memory of the executor, from the compiled step's memory analysis.
+
+For every schedule (S=4 identical stages of an MLP wide enough that weights
+dominate), compiles the executor's jitted step and reads
+`compiled.memory_analysis()`: argument, output, alias and temp bytes per
+device. The argument bytes are split by state field (each array's shard on
+one device), so the weight ring's bytes can be set against
+`max(stash_depth) x stage parameter bytes`. A second sweep widens the ring of
+one schedule beyond what it needs (extra, never-used slots) and checks that
+only the argument bytes grow with R, not the temps: the ring is indexed in
+place, not copied.
+
+  .venv/bin/python experiments/executor_memory.py [--hidden 512] [--layers 4]
+"""
+
+import argparse
+import json
+
+import executor_common as common  # pylint: disable=g-bad-import-order
+
+import jax
+import numpy as np
+import optax
+
+from stalepipe.pipeline import executor
+from stalepipe.models.losses import cross_entropy as classification_loss
+
+S = 4
+
+
+def shard_bytes(tree) -> int:
+  """Bytes of one device's shard of every array in `tree`."""
+  return sum(int(a.addressable_shards[0].data.nbytes)
+             for a in jax.tree.leaves(tree))
+
+
+def analyse(staged, schedule, mesh, batch: int, hidden: int,
+            extra_versions: int = 0) -> dict:
+  pipe = executor.Pipeline(staged.stage_fns, classification_loss, schedule,
+                           optax.sgd(0.1), mesh)
+  depth = pipe.program.num_versions
+  pipe.program = pipe.program._replace(num_versions=depth + extra_versions)
+  state = pipe.init(staged.stage_params)
+  x, y = common.make_batch(schedule.num_minibatches,
+                           schedule.num_microbatches, 2 * batch, hidden)
+  step_fn, state, args = common.step_function(pipe, state, x, y)
+  mem = step_fn.lower(state, *args).compile().memory_analysis()
+  fields = {name: shard_bytes(getattr(state, name))
+            for name in state._fields}
+  stage_bytes = max(sum(np.asarray(leaf).nbytes for leaf in jax.tree.leaves(p))
+                    for p in staged.stage_params)
+  stream = schedule.with_minibatches(6 * schedule.num_minibatches)
+  R = max(stream.stash_depth)
+  return {
+      "schedule": schedule.name, "max_stash_depth": R,
+      "ring_versions": depth + extra_versions,
+      "stage_param_bytes": stage_bytes,
+      "ring_bytes": fields["params"],
+      "ring_over_depth_x_stage": fields["params"] / (R * stage_bytes),
+      "argument_bytes": mem.argument_size_in_bytes,
+      "state_field_bytes": fields,
+      "argument_bytes_of_inputs_and_tables": shard_bytes(args),
+      "output_bytes": mem.output_size_in_bytes,
+      "alias_bytes": mem.alias_size_in_bytes,
+      "temp_bytes": mem.temp_size_in_bytes,
+      "temp_over_stage": mem.temp_size_in_bytes / stage_bytes,
+  }
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--hidden", type=int, default=512)
+  parser.add_argument("--layers", type=int, default=4, help="per stage")
+  parser.add_argument("--batch", type=int, default=8, help="per replica")
+  parser.add_argument("--micro", type=int, default=4)
+  parser.add_argument("--json", default=None, help="write results here")
+  args = parser.parse_args()
+  mesh = jax.make_mesh((2, S), ("data", "stage"))
+  staged = common.make_model(S, args.hidden, args.layers)
+  rows = []
+  for name in ("gpipe",) + common.ASYNC:
+    schedule = common.make_schedule(name, S, args.micro, 2)
+    rows.append(analyse(staged, schedule, mesh, args.batch, args.hidden))
+    print(json.dumps(rows[-1]))
+  sweep = []
+  for extra in (0, 2, 4):
+    schedule = common.make_schedule("pipedream", S, args.micro, 2)
+    sweep.append(analyse(staged, schedule, mesh, args.batch, args.hidden,
+                         extra_versions=extra))
+    print(json.dumps({k: sweep[-1][k] for k in (
+        "ring_versions", "ring_bytes", "argument_bytes", "temp_bytes")}))
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump({"schedules": rows, "ring_sweep": sweep}, f, indent=1)
+
+
+if __name__ == "__main__":
+  main()
