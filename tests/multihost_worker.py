@@ -28,7 +28,7 @@ import optax  # pylint: disable=g-import-not-at-top
 
 import stalepipe as sp  # pylint: disable=g-import-not-at-top
 from stalepipe.pipeline import executor  # pylint: disable=g-import-not-at-top
-from stalepipe.train.trainer import classification_loss  # pylint: disable=g-import-not-at-top
+from stalepipe.models.losses import cross_entropy as classification_loss  # pylint: disable=g-import-not-at-top
 
 D, S, M, B, b = 4, 2, 2, 2, 2
 staged = sp.models.split(sp.models.mlp(8, 6, 1, 4, seed=0), S)

@@ -36,6 +36,7 @@ import optax
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from stalepipe import sync as sync_lib
 from stalepipe.pipeline import packing
 from stalepipe.pipeline import program as program_lib
 from stalepipe.schedules import Schedule
@@ -56,6 +57,9 @@ class PipelineState(NamedTuple):
   cots: jax.Array | None  # [D, S, C, b, A]: cotangents waiting for it
   past_inputs: jax.Array | None  # [H*B, M, D*b, ...]: earlier windows'
   past_targets: jax.Array | None  # [H*B, M, D*b, ...]
+  waves: dict  # WSP only: "acc" dtype -> [D, S, L] this wave's own updates;
+  #   "pending" dtype -> [D, S, Q, L] global-minus-own updates not yet added,
+  #   "pending_wave" int32 [D, S, Q] their wave (-1: none); Q = clock distance+1
   step: jax.Array  # int32 []: windows run so far
 
 
@@ -70,6 +74,7 @@ class Pipeline:
       A `GradientTransformationExtraArgs` also receives `stale_params=`, the
       weights the gradient was computed on.
     mesh: a mesh with axes ('data', 'stage'); its 'stage' size must be S.
+    sync: what crosses the 'data' axis (`stalepipe.sync`); default BSP.
 
   Examples:
     >>> import jax, optax, stalepipe as sp
@@ -84,7 +89,7 @@ class Pipeline:
 
   def __init__(self, stage_fns: Sequence[Callable], loss_fn: Callable,
                schedule: Schedule, optimizer: optax.GradientTransformation,
-               mesh: Mesh):
+               mesh: Mesh, sync: sync_lib.SyncPolicy | None = None):
     if tuple(mesh.axis_names) != (DATA, STAGE):
       raise ValueError(f"mesh axes {tuple(mesh.axis_names)} are invalid; "
                        f"valid: ({DATA!r}, {STAGE!r})")
@@ -94,16 +99,22 @@ class Pipeline:
     if mesh.shape[STAGE] != schedule.num_stages:
       raise ValueError(f"mesh 'stage' size {mesh.shape[STAGE]} does not fit "
                        f"{schedule.num_stages} stages; valid: equal sizes")
+    sync = sync or sync_lib.bsp(mesh.shape[DATA])
+    if sync.num_replicas != mesh.shape[DATA]:
+      raise ValueError(f"sync policy over {sync.num_replicas} replicas does not "
+                       f"fit the mesh's {mesh.shape[DATA]} data replicas")
     self.stage_fns = tuple(stage_fns)
     self.loss_fn = loss_fn
     self.schedule = schedule
     self.optimizer = optimizer
     self.mesh = mesh
+    self.sync = sync
     self.program = program_lib.compile_program(schedule)
     self._param_packing = None
     self._opt_packing = None
     self._step_fns = {}
     self._tables = None
+    self._static_plan = None
 
   @property
   def num_replicas(self) -> int:
@@ -152,6 +163,16 @@ class Pipeline:
     params = self._param_packing.pack_all(stage_params)
     versions = np.full((D, S, R), -1, np.int32)
     versions[..., 0] = 0
+    waves = {}
+    if self.sync.wave:
+      Q = self.sync.clock_distance + 1
+      zeros = jax.tree.map(jnp.zeros_like, params)
+      waves = {"acc": per_replica(zeros),
+               "pending": per_replica(
+                   {k: np.zeros((S, Q) + v.shape[1:], v.dtype)
+                    for k, v in zeros.items()}),
+               "pending_wave": self._put(np.full((D, S, Q), -1, np.int32),
+                                         spec)}
     return PipelineState(
         params=per_replica(params, ring=True),
         versions=self._put(versions, spec),
@@ -159,7 +180,7 @@ class Pipeline:
         opt_state=per_replica(self._opt_packing.pack_all(opt_states)),
         grads=per_replica(jax.tree.map(jnp.zeros_like, params)),
         acts=None, cots=None, past_inputs=None, past_targets=None,
-        step=self._put(np.zeros((), np.int32), P()))
+        waves=waves, step=self._put(np.zeros((), np.int32), P()))
 
   def params(self, state: PipelineState, replica: int = 0) -> tuple[Any, ...]:
     """The latest weights of the S stages held by data replica `replica`."""
@@ -204,7 +225,22 @@ class Pipeline:
       self._step_fns[key] = self._build_step(inputs)
     if self._tables is None:
       self._tables = self._put(self.program.tables, P())
-    return self._step_fns[key](state, inputs, targets, self._tables)
+    return self._step_fns[key](state, inputs, targets, self._tables,
+                               self._sync_plan(state))
+
+  def _sync_plan(self, state: PipelineState) -> dict[str, jax.Array]:
+    """The sync policy's plan for the updates this window can hold."""
+    B, H = self.schedule.num_minibatches, self.program.history
+    static = (type(self.sync).mixing is sync_lib.SyncPolicy.mixing
+              and not self.sync.wave)
+    if static and self._static_plan is not None:
+      return self._static_plan
+    window = 0 if static else int(jax.device_get(state.step))
+    plan = self.sync.plan((window - H) * B, (H + 1) * B, len(self.stage_fns))
+    plan = {k: self._put(v, P()) for k, v in plan.items()}
+    if static:
+      self._static_plan = plan
+    return plan
 
   def _activation_layout(self, inputs):
     """Shapes of the activations leaving stages 0..S-2, and their buffer."""
@@ -255,21 +291,19 @@ class Pipeline:
 
     def stage_task(s, carry, instr, base, inputs, targets):
       """Stage s's task this tick; returns the carry and the two sends."""
-      (ring, versions, latest, opt_state, grads, acts, cots, loss_sum,
-       num_losses) = carry
       fn, last = self.stage_fns[s], s == S - 1
       mini, micro = instr[_COL["minibatch"]], instr[_COL["microbatch"]]
       slot = (instr[_COL["slot"]] + base) % C
-      weights = {k: v[ring_slot(versions, latest - instr[_COL["lag"]])]
-                 for k, v in ring.items()}
-      p = pp.unpack(s, weights)
+      version = carry["latest"] - instr[_COL["lag"]]
+      p = pp.unpack(s, {k: v[ring_slot(carry["versions"], version)]
+                        for k, v in carry["ring"].items()})
       no_send_f = jnp.zeros(buffer_shape, act_dtype)
       no_send_b = jnp.zeros((W,) + buffer_shape, act_dtype)
 
       def stage_input(w):
         if s == 0:
           return inputs[mini, micro + w]
-        return from_buffer(s, acts[(slot + w) % C])
+        return from_buffer(s, carry["acts"][(slot + w) % C])
 
       def idle():
         return carry, no_send_f, no_send_b
@@ -279,8 +313,9 @@ class Pipeline:
         if not last:
           return carry, to_buffer(y), no_send_b
         loss = self.loss_fn(y, targets[mini, micro])
-        return (carry[:7] + (loss_sum + loss, num_losses + 1), no_send_f,
-                no_send_b)
+        return (dict(carry, loss_sum=carry["loss_sum"] + loss,
+                     num_losses=carry["num_losses"] + 1),
+                no_send_f, no_send_b)
 
       def backward(fused):
         g_sum, sends, loss = None, [], jnp.zeros((), jnp.float32)
@@ -289,21 +324,24 @@ class Pipeline:
           if last:
             objective = lambda p, x: self.loss_fn(  # pylint: disable=cell-var-from-loop
                 fn(p, x), targets[mini, micro + w]) / M
-            value, g = jax.value_and_grad(objective, (0, 1))(p, x)
+            if s == 0:  # x may be integer (token ids): no cotangent to send
+              value, g = jax.value_and_grad(objective)(p, x)
+              g = (g, None)
+            else:
+              value, g = jax.value_and_grad(objective, (0, 1))(p, x)
             loss = loss + value * M
           else:
             _, vjp = jax.vjp(fn, p, x)
-            g = vjp(from_buffer(s + 1, cots[(slot + w) % C]))
+            g = vjp(from_buffer(s + 1, carry["cots"][(slot + w) % C]))
           g_sum = g[0] if g_sum is None else jax.tree.map(jnp.add, g_sum, g[0])
           sends.append(to_buffer(g[1]) if s > 0 else no_send_f)
         g_flat = pp.pack(s, g_sum)
-        grads_new = {k: grads[k] + g_flat[k] for k in grads}
+        new = dict(carry, grads={k: carry["grads"][k] + g_flat[k]
+                                 for k in g_flat})
         if fused:
-          loss_sum_new, num_new = loss_sum + loss, num_losses + W
-        else:
-          loss_sum_new, num_new = loss_sum, num_losses
-        return ((ring, versions, latest, opt_state, grads_new, acts, cots,
-                 loss_sum_new, num_new), no_send_f, jnp.stack(sends))
+          new["loss_sum"] = carry["loss_sum"] + loss
+          new["num_losses"] = carry["num_losses"] + W
+        return new, no_send_f, jnp.stack(sends)
 
       return jax.lax.switch(
           instr[_COL["kind"]],
@@ -322,15 +360,48 @@ class Pipeline:
         updates, o = self.optimizer.update(g, o, p)
       return pp.pack(s, optax.apply_updates(p, updates)), op.pack(s, o)
 
-    def body(ring, versions, latest, opt_state, grads, acts, cots, past_inputs,
-             past_targets, inputs, targets, tables, step):
+    floats = [k for k in pp.lengths if jnp.issubdtype(jnp.dtype(k), jnp.floating)]
+    wave, Q = self.sync.wave, self.sync.clock_distance + 1
+    can_mix = type(self.sync).mixing is not sync_lib.SyncPolicy.mixing
+
+    def wave_sync(waves, params, current, minibatch, delay):
+      """WSP (sync/wsp.py): accumulate this wave's own updates; at its end,
+      push them (one collective) and add the global updates now due."""
+      acc = {k: waves["acc"][k] + params[k] - current[k] for k in floats}
+
+      def end_of_wave():
+        c = minibatch // wave
+        others = {k: jax.lax.pmean(acc[k], DATA) - acc[k] for k in floats}
+        slot = c % Q
+        pending = {k: waves["pending"][k].at[slot].set(others[k])
+                   for k in floats}
+        tags = waves["pending_wave"].at[slot].set(c)
+        due = (tags >= 0) & (tags <= c - delay)
+        new = dict(params)
+        for k in floats:
+          new[k] = params[k] + jnp.einsum("q,ql->l", due.astype(params[k].dtype),
+                                          pending[k])
+        return (new, {"acc": {k: jnp.zeros_like(v) for k, v in acc.items()},
+                      "pending": pending,
+                      "pending_wave": jnp.where(due, -1, tags)})
+
+      return jax.lax.cond(
+          (minibatch + 1) % wave == 0, end_of_wave,
+          lambda: (params, dict(waves, acc=acc)))
+
+    def mix(params, weights):
+      """SDPipe eq. 1: x <- sum_d W[me, d] x_d over the 'data' axis."""
+      return {k: jnp.einsum("d,dl->l", weights.astype(v.dtype),
+                            jax.lax.all_gather(v, DATA)) if k in floats else v
+              for k, v in params.items()}
+
+    def body(ring, versions, latest, opt_state, grads, acts, cots, waves,
+             past_inputs, past_targets, inputs, targets, tables, step, plan):
       local = lambda tree: jax.tree.map(lambda v: v[0, 0], tree)
-      ring, versions, latest = local(ring), local(versions), local(latest)
-      opt_state, grads, acts, cots = (local(opt_state), local(grads),
-                                      local(acts), local(cots))
       window_inputs = jnp.concatenate([past_inputs, inputs])
       window_targets = jnp.concatenate([past_targets, targets])
       stage = jax.lax.axis_index(STAGE)
+      replica = jax.lax.axis_index(DATA)
       base = (step % C) * (B * M % C) % C
       table = jax.lax.dynamic_index_in_dim(tables, jnp.minimum(step, K - 1),
                                            keepdims=False)
@@ -338,19 +409,33 @@ class Pipeline:
       updates = [functools.partial(stage_update, s) for s in range(S)]
 
       def update(carry, instr):
-        (ring, versions, latest, opt_state, grads, acts, cots, loss_sum,
-         num_losses) = carry
-        grads = jax.lax.pmean(grads, DATA)
+        ring, versions, latest = (carry["ring"], carry["versions"],
+                                  carry["latest"])
+        grads = carry["grads"]
+        if self.sync.average_gradients:
+          grads = jax.lax.pmean(grads, DATA)
         params, opt_state = jax.lax.switch(stage, updates, ring, versions,
-                                           latest, opt_state, grads, instr)
+                                           latest, carry["opt_state"], grads,
+                                           instr)
+        rel = instr[_COL["update_minibatch"]]
+        waves = carry["waves"]
+        if wave:
+          current = {k: v[ring_slot(versions, latest)] for k, v in ring.items()}
+          minibatch = (step - H) * B + rel
+          params, waves = wave_sync(waves, params, current, minibatch,
+                                    plan["delay"][rel, replica])
+        if can_mix:
+          params = jax.lax.cond(plan["mix_on"][rel, stage] == 1, mix,
+                                lambda x, _: x, params,
+                                plan["mix"][rel, stage, replica])
         evict = instr[_COL["evict"]]
         write = jnp.where(evict >= 0, ring_slot(versions, latest - evict),
                           ring_slot(versions, -1))
-        ring = {k: v.at[write].set(params[k]) for k, v in ring.items()}
-        versions = versions.at[write].set(latest + 1)
-        grads = jax.tree.map(jnp.zeros_like, grads)
-        return (ring, versions, latest + 1, opt_state, grads, acts, cots,
-                loss_sum, num_losses)
+        return dict(
+            carry, ring={k: v.at[write].set(params[k]) for k, v in ring.items()},
+            versions=versions.at[write].set(latest + 1), latest=latest + 1,
+            opt_state=opt_state, waves=waves,
+            grads=jax.tree.map(jnp.zeros_like, grads))
 
       def tick(carry, rows):
         instr = rows[stage]
@@ -360,9 +445,8 @@ class Pipeline:
                                   [(s, s + 1) for s in range(S - 1)])
         recv_b = jax.lax.ppermute(send_b, STAGE,
                                   [(s + 1, s) for s in range(S - 1)])
-        (ring, versions, latest, opt_state, grads, acts, cots, loss_sum,
-         num_losses) = carry
         at_f, at_b = instr[_COL["recv_forward"]], instr[_COL["recv_backward"]]
+        acts, cots = carry["acts"], carry["cots"]
         acts = jax.lax.cond(at_f >= 0,
                             lambda: acts.at[(at_f + base) % C].set(recv_f),
                             lambda: acts)
@@ -374,43 +458,44 @@ class Pipeline:
           return out
 
         cots = jax.lax.cond(at_b >= 0, file_cotangents, lambda: cots)
-        carry = (ring, versions, latest, opt_state, grads, acts, cots,
-                 loss_sum, num_losses)
+        carry = dict(carry, acts=acts, cots=cots)
         carry = jax.lax.cond(instr[_COL["update"]] == 1, update,
                              lambda c, _: c, carry, instr)
         return carry, None
 
-      carry = (ring, versions, latest, opt_state, grads, acts, cots,
-               jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32))
+      carry = dict(ring=local(ring), versions=local(versions),
+                   latest=local(latest), opt_state=local(opt_state),
+                   grads=local(grads), acts=local(acts), cots=local(cots),
+                   waves=local(waves), loss_sum=jnp.zeros((), jnp.float32),
+                   num_losses=jnp.zeros((), jnp.int32))
       carry, _ = jax.lax.scan(tick, carry, table)
-      (ring, versions, latest, opt_state, grads, acts, cots, loss_sum,
-       num_losses) = carry
-      num_losses = jax.lax.psum(num_losses, STAGE)
-      loss = jax.lax.pmean(jax.lax.psum(loss_sum, STAGE), DATA) / jnp.where(
-          num_losses > 0, num_losses, jnp.nan)
+      num_losses = jax.lax.psum(carry["num_losses"], STAGE)
+      loss = jax.lax.pmean(jax.lax.psum(carry["loss_sum"], STAGE),
+                           DATA) / jnp.where(num_losses > 0, num_losses, jnp.nan)
       expand = lambda tree: jax.tree.map(lambda v: v[None, None], tree)
-      keep = H * B
-      return (expand(ring), expand(versions), expand(latest),
-              expand(opt_state), expand(grads), expand(acts), expand(cots),
-              window_inputs[window_inputs.shape[0] - keep:],
-              window_targets[window_targets.shape[0] - keep:], loss,
-              num_losses)
+      keep = window_inputs.shape[0] - H * B
+      return (expand(carry["ring"]), expand(carry["versions"]),
+              expand(carry["latest"]), expand(carry["opt_state"]),
+              expand(carry["grads"]), expand(carry["acts"]),
+              expand(carry["cots"]), expand(carry["waves"]),
+              window_inputs[keep:], window_targets[keep:], loss, num_losses)
 
     local, window = P(DATA, STAGE), P(None, None, DATA)
     mapped = jax.shard_map(
         body, mesh=self.mesh,
-        in_specs=(local,) * 7 + (window,) * 4 + (P(), P()),
-        out_specs=(local,) * 7 + (window,) * 2 + (P(), P()), check_vma=False)
+        in_specs=(local,) * 8 + (window,) * 4 + (P(), P(), P()),
+        out_specs=(local,) * 8 + (window,) * 2 + (P(), P()), check_vma=False)
 
     @functools.partial(jax.jit, donate_argnums=(0,))
-    def step_fn(state, inputs, targets, tables):
-      (ring, versions, latest, opt_state, grads, acts, cots, past_inputs,
-       past_targets, loss, num_losses) = mapped(
+    def step_fn(state, inputs, targets, tables, plan):
+      (ring, versions, latest, opt_state, grads, acts, cots, waves,
+       past_inputs, past_targets, loss, num_losses) = mapped(
            state.params, state.versions, state.latest, state.opt_state,
-           state.grads, state.acts, state.cots, state.past_inputs,
-           state.past_targets, inputs, targets, tables, state.step)
+           state.grads, state.acts, state.cots, state.waves, state.past_inputs,
+           state.past_targets, inputs, targets, tables, state.step, plan)
       state = PipelineState(ring, versions, latest, opt_state, grads, acts,
-                            cots, past_inputs, past_targets, state.step + 1)
+                            cots, past_inputs, past_targets, waves,
+                            state.step + 1)
       return state, {"loss": loss, "num_losses": num_losses}
 
     return step_fn

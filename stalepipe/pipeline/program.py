@@ -33,6 +33,7 @@ FIELDS = (
     "update",  # 1: apply the minibatch's update at the end of this tick
     "update_lag",  # the version its gradient was computed on, as a lag
     "evict",  # the version the update overwrites, as a lag; -1: an empty slot
+    "update_minibatch",  # the updated minibatch, indexed like "minibatch"
 )
 _MAX_WINDOWS = 64
 
@@ -196,10 +197,11 @@ def _window_table(stream: Schedule, starts: list[int], k: int, *,
       table[tick, t.stage + 1, col["recv_forward"]] = slot
     if t.kind in ("B", "FB") and t.stage > 0:
       table[tick, t.stage - 1, col["recv_backward"]] = slot
-  for (s, _), u in stream.update_ticks.items():
+  for (s, p), u in stream.update_ticks.items():
     if starts[k] <= u < starts[k + 1]:
       row = table[u - starts[k], s]
       row[col["update"]] = 1
+      row[col["update_minibatch"]] = p - (k - history) * B
       row[col["update_lag"]] = stream.applied(s, u) - update_reads[(s, u)]
       row[col["evict"]] = evict[(s, u)]
   return table
@@ -226,8 +228,10 @@ def compile_program(schedule: Schedule) -> Program:
     stream.validate()
     _check_gradients_grouped(stream)
     starts = _window_starts(stream, B, K)
-    oldest = min(t.minibatch - k * B for k in range(K) for t in stream.tasks
-                 if starts[k] <= t.tick < starts[k + 1])
+    events = [(t.tick, t.minibatch) for t in stream.tasks] + [
+        (u, p) for (_, p), u in stream.update_ticks.items()]
+    oldest = min(p - k * B for k in range(K) for tick, p in events
+                 if starts[k] <= tick < starts[k + 1])
     evict, num_versions = _plan_versions(stream)
     layout = dict(
         window_minibatches=B,

@@ -1,0 +1,110 @@
+"""SDPipe's semi-decentralised group averaging, numeric side (seed 002 §3).
+
+After each iteration's update, the replicas of each stage average their
+weights within the groups a central scheduler forms (Algorithm 1, step B;
+eq. 1: :math:`X_{k+1} = (X_k - \\gamma G_k) W_k`). The scheduler (Algorithm 2)
+groups the workers whose ready signals arrive within a window T of the first;
+it validates each iteration's groups so that the sync graph of the last P
+iterations stays connected, making a group wait for the next one until it is
+(§3.4, union-find as in §4), and it skips a validation that would wait while
+another stage's enforcement is still waiting (deadlock prevention, §3.4,
+Figure 3). The grouping and validation are the simulator's
+(`stalepipe.sim.sdpipe_sync`); here they are replayed from ready times, so the
+lock-step executor averages exactly the groups the simulated cluster formed.
+"""
+
+import collections
+import math
+
+import numpy as np
+
+from stalepipe.sim import sdpipe_sync
+from stalepipe.sync import base
+
+
+class SDPipe(base.SyncPolicy):
+  """SDPipe's scheduler over a ready-time trace.
+
+  Args:
+    num_replicas: N, replicas of each stage.
+    history: P >= 1, iterations over which the sync graph must be connected.
+    window: T, seconds a group stays open (`math.inf`: all-reduce of models).
+    ready_times: `[iterations, stages, N]` seconds at which each worker
+      signals ready (e.g. the simulator's); iterations past its end (or all,
+      when None) have every worker ready at once.
+    enforce: validate connectivity (turn off to see replicas drift apart).
+
+  References:
+    Miao et al, SDPipe: A Semi-Decentralized Framework for Heterogeneity-aware
+    Pipeline-parallel Training <https://doi.org/10.14778/3598581.3598604>,
+    2023, §3.2-3.4
+  """
+
+  name = "sdpipe"
+
+  def __init__(self, num_replicas: int, history: int = 10,
+               window: float = math.inf, ready_times=None,
+               enforce: bool = True):
+    super().__init__(num_replicas)
+    if not isinstance(history, int) or history < 1:
+      raise ValueError(f"history={history!r} is invalid; it must be an "
+                       "integer >= 1")
+    if not window >= 0:
+      raise ValueError(f"window={window!r} is invalid; it must be >= 0")
+    self.history, self.window, self.enforce = history, window, enforce
+    self.ready_times = (None if ready_times is None
+                        else np.asarray(ready_times, float))
+    if self.ready_times is not None and (
+        self.ready_times.ndim != 3 or self.ready_times.shape[2] != num_replicas):
+      raise ValueError(f"ready_times of shape {self.ready_times.shape} is "
+                       f"invalid; valid: [iterations, stages, {num_replicas}]")
+    self.groups = []  # [iteration][stage] -> list of member arrays
+    self.skipped = []  # (stage, iteration) whose validation was skipped
+    self._past = collections.defaultdict(
+        lambda: collections.deque(maxlen=history - 1))
+    self._waiting = {}  # stage -> (begin, end) of its last enforcement wait
+
+  def _ready(self, iteration: int, num_stages: int) -> np.ndarray:
+    if self.ready_times is not None and iteration < len(self.ready_times):
+      return self.ready_times[iteration]
+    return np.zeros((num_stages, self.num_replicas))
+
+  def _schedule(self, iteration: int, num_stages: int):
+    """Runs the scheduler up to `iteration` (Algorithm 2 with §3.4)."""
+    N = self.num_replicas
+    while len(self.groups) <= iteration:
+      k = len(self.groups)
+      ready = self._ready(k, num_stages)
+      row = [None] * num_stages
+      for j in sorted(range(num_stages), key=lambda j: ready[j].min()):
+        groups, starts = sdpipe_sync.window_groups(ready[j], self.window)
+        if self.enforce:
+          checked, checked_starts, begin = sdpipe_sync.enforce(
+              groups, starts, self._past[j], N)
+          if begin is not None:
+            if any(s != j and b <= begin < e
+                   for s, (b, e) in self._waiting.items()):
+              self.skipped.append((j, k))
+            else:
+              self._waiting[j] = (begin, max(checked_starts))
+              groups = checked
+        self._past[j].append(groups)
+        row[j] = groups
+      self.groups.append(row)
+
+  def mixing(self, stage: int, minibatch: int) -> np.ndarray:
+    num_stages = (self.ready_times.shape[1] if self.ready_times is not None
+                  else stage + 1)
+    self._schedule(minibatch, max(num_stages, stage + 1))
+    return base.group_mixing(self.groups[minibatch][stage], self.num_replicas)
+
+
+def sdpipe(num_replicas: int, history: int = 10, window: float = math.inf,
+           ready_times=None, enforce: bool = True) -> SDPipe:
+  """SDPipe (see `SDPipe`).
+
+  Examples:
+    >>> sdpipe(3).mixing(0, 0)[0]  # everybody ready at once: all-reduce
+    array([0.33333334, 0.33333334, 0.33333334], dtype=float32)
+  """
+  return SDPipe(num_replicas, history, window, ready_times, enforce)
