@@ -23,7 +23,6 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
-from jax.sharding import NamedSharding
 
 from stalepipe import models
 from stalepipe import schedules
@@ -73,14 +72,17 @@ def model_kwargs(name: str, example: np.ndarray, num_classes: int
   raise ValueError(f"unknown model {name!r}; valid: {', '.join(models.names())}")
 
 
-def abstract_state(pipe: executor.Pipeline, state: executor.PipelineState,
+def abstract_state(pipe: executor.Pipeline, stage_params: Any,
                    inputs: np.ndarray, targets: np.ndarray) -> Any:
-  """The structure of the state after a step: what a checkpoint restores to."""
-  shapes = jax.eval_shape(lambda: pipe.step(state, inputs, targets)[0])
+  """The structure of the state after a step: what a checkpoint restores to.
+
+  Found by running one throwaway window on fresh weights (tracing it instead
+  cannot place the inputs of several processes).
+  """
+  state, _ = pipe.step(pipe.init(stage_params), inputs, targets)
   return jax.tree.map(
-      lambda s: jax.ShapeDtypeStruct(
-          s.shape, s.dtype, sharding=NamedSharding(pipe.mesh, s.sharding.spec)),
-      shapes)
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+      state)
 
 
 @jax.jit
@@ -159,17 +161,19 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
   sync = sync_lib.make(config.sync, num_replicas=D, **config.sync_kwargs)
   pipe = executor.Pipeline(staged.stage_fns, loss_fn, schedule, optimizer,
                            mesh, sync=sync)
-  state = pipe.init(staged.stage_params)
   model_fn = jax.jit(models.unpipelined(staged))
 
   # Checkpoint: resume from the workdir's latest, if any.
   ckpt = checkpoint_lib.Checkpointer(os.path.join(workdir, "checkpoints"),
                                      keep=config.keep_checkpoints)
-  restored = ckpt.restore(abstract_state(pipe, state, *batch(0)), config_dict)
-  first = 0
-  if restored is not None:
+  restored, first = None, 0
+  if ckpt.latest_step() is not None:
+    restored = ckpt.restore(
+        abstract_state(pipe, staged.stage_params, *batch(0)), config_dict)
     state, position = restored
     first = position["window"]
+  else:
+    state = pipe.init(staged.stage_params)
 
   # Metrics.
   num_windows = max(1, config.num_steps // B)

@@ -1,0 +1,73 @@
+"""Two launcher processes on 127.0.0.1 end where one process does.
+
+Each process has 4 emulated CPU devices and talks over gloo; together they
+form the same ('data', 'stage') = (2, 4) mesh as one process with 8 devices.
+Each loads only its data replica's shard, checkpoints collectively, and
+the final parameters must equal the single-process run's bit for bit.
+"""
+
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+FLAGS = ["--config=configs/pipedream.py", "--config.num_steps=24",
+         "--config.model_kwargs.hidden=16", "--config.eval_every=0",
+         "--config.plots=False", "--config.checkpoint_every=3",
+         "--config.log_every=3"]
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def _env(devices: int) -> dict[str, str]:
+  env = dict(os.environ, JAX_PLATFORMS="cpu",
+             XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+  return env
+
+
+def _params(workdir) -> dict[str, np.ndarray]:
+  with np.load(os.path.join(workdir, "params.npz")) as f:
+    return dict(f)
+
+
+@pytest.mark.slow
+def test_two_processes_match_one(tmp_path):
+  single, multi = tmp_path / "single", tmp_path / "multi"
+  port = _free_port()
+  procs = [subprocess.Popen(
+      [sys.executable, "launch.py", *FLAGS, f"--workdir={multi}",
+       f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2",
+       f"--process_id={i}"], cwd=ROOT, env=_env(4), stdout=subprocess.PIPE,
+      stderr=subprocess.PIPE, text=True) for i in range(2)]
+  one = subprocess.run([sys.executable, "launch.py", *FLAGS,
+                        f"--workdir={single}"], cwd=ROOT, env=_env(8),
+                       capture_output=True, text=True, timeout=300)
+  outs = [p.communicate(timeout=300) for p in procs]
+  for p, (_, err) in zip(procs, outs):
+    assert p.returncode == 0, err[-3000:]
+  assert one.returncode == 0, one.stderr[-3000:]
+  assert "num_processes" in (multi / "summary.json").read_text()
+  want, got = _params(single), _params(multi)
+  assert want.keys() == got.keys()
+  for key in want:
+    np.testing.assert_array_equal(got[key], want[key], err_msg=key)
+
+
+def test_partial_multihost_flags_are_a_one_line_error(tmp_path):
+  result = subprocess.run(
+      [sys.executable, "launch.py", "--num_processes=2",
+       f"--workdir={tmp_path}"], cwd=ROOT, env=_env(8), capture_output=True,
+      text=True, timeout=120)
+  assert result.returncode != 0
+  last = result.stderr.strip().splitlines()[-1]
+  assert last.startswith("launch.py: error: --coordinator_address, "
+                         "--num_processes and --process_id are invalid alone")
