@@ -1,0 +1,204 @@
+"""Overhead of the executor against its stages' compute and a GPipe baseline.
+
+On 8 emulated CPU devices (2 data x 4 stages) and one MLP (4 identical stages
+of `layers` blocks `H -> H`), times in one process, interleaved (one repeat
+of every run, then the next repeat), after a warm-up:
+
+- ours: one window of the executor for `gpipe` and `pipedream` (B=1
+  minibatch of M micro-batches: M forwards and M backwards per stage, one
+  update per stage), and each with its table cut down (all idle; forwards
+  only) to see what the per-tick machinery costs;
+- the MaxText / JAX-docs style GPipe step (`baseline_gpipe.py`);
+- alone: each stage's forward and backward (as the executor runs them: the
+  backward recomputes the forward) jitted on one device; their sum over the
+  tasks of one window is the compute a step cannot avoid.
+
+Reports medians and `overhead = step / sum of the stages' compute alone`.
+`--patched FILE` also times a modified copy of `stalepipe/pipeline/
+executor.py` in the same run (A/B of a proposed speed-up).
+
+  .venv/bin/python experiments/executor_overhead.py [--repeats 15] \
+      [--png docs/figures/executor_overhead.png]
+"""
+
+import argparse
+import importlib.util
+import itertools
+import json
+import time
+
+import executor_common as common  # pylint: disable=g-bad-import-order
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import baseline_gpipe
+from stalepipe.models.losses import cross_entropy
+from stalepipe.pipeline import executor
+from stalepipe.pipeline import program as program_lib
+
+S = 4
+_COL = {name: i for i, name in enumerate(program_lib.FIELDS)}
+
+
+def cut_table(tables: np.ndarray, keep: tuple[int, ...]) -> np.ndarray:
+  """`tables` with every task whose kind is not in `keep` made idle.
+
+  Receives whose sender went idle and updates whose backwards went are
+  dropped too.
+  """
+  out = np.array(tables)
+  kinds = out[..., _COL["kind"]]
+  out[..., _COL["kind"]] = np.where(np.isin(kinds, keep), kinds,
+                                    program_lib.IDLE)
+  if program_lib.FORWARD not in keep:
+    out[..., _COL["recv_forward"]] = -1
+  if program_lib.BACKWARD not in keep:
+    out[..., _COL["recv_backward"]] = -1
+    out[..., _COL["update"]] = 0
+  return out
+
+
+def alone_costs(staged, micro: int, batch: int, hidden: int, repeats: int):
+  """Median seconds of each stage's F and B on one device."""
+  x = jnp.ones((batch, hidden), jnp.float32)
+  y = jnp.zeros((batch,), jnp.int32)
+  out = []
+  for s, (fn, p) in enumerate(zip(staged.stage_fns, staged.stage_params)):
+    if s == S - 1:
+      objective = lambda p, x, fn=fn: cross_entropy(fn(p, x), y) / micro
+      forward = jax.jit(lambda p, x, fn=fn: cross_entropy(fn(p, x), y))
+      backward = jax.jit(jax.grad(objective, (0, 1)))
+      args_b = (p, x)
+    else:
+      forward = jax.jit(fn)
+      backward = jax.jit(lambda p, x, ct, fn=fn: jax.vjp(fn, p, x)[1](ct))
+      args_b = (p, x, x)
+    times = {}
+    for kind, f, a in (("F", forward, (p, x)), ("B", backward, args_b)):
+      jax.block_until_ready(f(*a))
+      samples = []
+      for _ in range(repeats):
+        t = time.perf_counter()
+        for _ in range(10):
+          r = f(*a)
+        jax.block_until_ready(r)
+        samples.append((time.perf_counter() - t) / 10)
+      times[kind] = float(np.median(samples))
+    out.append(times)
+  return out
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--hidden", type=int, default=512)
+  parser.add_argument("--layers", type=int, default=2, help="per stage")
+  parser.add_argument("--batch", type=int, default=32, help="per replica")
+  parser.add_argument("--micro", type=int, default=8)
+  parser.add_argument("--repeats", type=int, default=15)
+  parser.add_argument("--json", default=None, help="write results here")
+  parser.add_argument("--png", default=None, help="write a bar chart here")
+  parser.add_argument("--patched", default=None,
+                      help="a modified copy of executor.py to time beside it")
+  args = parser.parse_args()
+  H, b, M = args.hidden, args.batch, args.micro
+  mesh = jax.make_mesh((2, S), ("data", "stage"))
+  staged = common.make_model(S, H, args.layers)
+  x, y = common.make_batch(1, M, 2 * b, H)
+
+  executors = {"": executor}
+  if args.patched:
+    spec = importlib.util.spec_from_file_location("patched", args.patched)
+    executors[" [patched]"] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(executors[" [patched]"])
+  runs, states, tasks = {}, {}, {}
+  for (suffix, module), schedule in itertools.product(
+      executors.items(), ("gpipe", "pipedream")):
+    name = schedule + suffix
+    pipe = module.Pipeline(staged.stage_fns, cross_entropy,
+                           common.make_schedule(schedule, S, M, 1),
+                           optax.sgd(0.01), mesh)
+    step_fn, states[name], step_args = common.step_function(
+        pipe, pipe.init(staged.stage_params), x, y)
+    i = common.tables_index(pipe, step_args)
+    table = pipe.program.tables[-1]
+    tasks[name] = {"ticks": int(table.shape[0]),
+                   "F": int(np.sum(table[..., _COL["kind"]] == 1)),
+                   "B": int(np.sum(table[..., _COL["kind"]] >= 2))}
+    variants = {name: step_args[i],
+                f"{name}, idle table": cut_table(pipe.program.tables, ()),
+                f"{name}, forwards only": cut_table(pipe.program.tables,
+                                                    (program_lib.FORWARD,))}
+    for label, tables in variants.items():
+      call_args = step_args[:i] + (jax.device_put(tables, step_args[i].sharding),) + step_args[i + 1:]
+
+      def run(name=name, call_args=call_args, step_fn=step_fn):
+        states[name], metrics = step_fn(states[name], *call_args)
+        jax.block_until_ready(metrics)
+
+      runs[label] = run
+
+  base = baseline_gpipe.GPipeBaseline(baseline_gpipe.mlp_stage, cross_entropy,
+                                      optax.sgd(0.01), mesh)
+  base_state = list(base.init(staged.stage_params))
+  xs, ys = base.put_batch(x[0], y[0])
+
+  def run_baseline():
+    base_state[0], base_state[1], loss = base.step(*base_state, xs, ys)
+    jax.block_until_ready(loss)
+
+  runs["baseline GPipe (MaxText style)"] = run_baseline
+
+  for run in runs.values():  # warm-up: compile and first touch
+    run()
+    run()
+  samples = {label: [] for label in runs}
+  for _ in range(args.repeats):
+    for label, run in runs.items():
+      t = time.perf_counter()
+      run()
+      samples[label].append(time.perf_counter() - t)
+  alone = alone_costs(staged, M, b, H, args.repeats)
+  alone_sum = sum(M * (c["F"] + c["B"]) for c in alone)
+  results = {"config": vars(args), "tasks": tasks, "alone": alone,
+             "alone_sum_s": alone_sum, "runs": {}}
+  for label, times in samples.items():
+    median = float(np.median(times))
+    results["runs"][label] = {
+        "median_s": median, "q25_s": float(np.percentile(times, 25)),
+        "q75_s": float(np.percentile(times, 75)),
+        "over_alone_sum": median / alone_sum}
+    print(f"{label:34s} {1e3 * median:8.1f} ms   x{median / alone_sum:5.2f}"
+          " of the stages' compute alone")
+  print(f"{'sum of stages alone':34s} {1e3 * alone_sum:8.1f} ms  "
+        f"(F {1e3 * alone[1]['F']:.2f} ms, B {1e3 * alone[1]['B']:.2f} ms "
+        "per task, stage 1)")
+  baseline = results["runs"]["baseline GPipe (MaxText style)"]["median_s"]
+  for name in tasks:
+    idle = results["runs"][f"{name}, idle table"]["median_s"]
+    tasks[name]["idle_tick_ms"] = 1e3 * idle / tasks[name]["ticks"]
+    tasks[name]["over_baseline"] = results["runs"][name]["median_s"] / baseline
+    print(f"{name}: idle tick {tasks[name]['idle_tick_ms']:.2f} ms, "
+          f"step over baseline {tasks[name]['over_baseline']:.2f}")
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump(results, f, indent=1)
+  if args.png:
+    import matplotlib  # pylint: disable=import-outside-toplevel
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+    labels = list(results["runs"]) + ["stages' compute alone"]
+    values = [1e3 * r["median_s"] for r in results["runs"].values()]
+    values.append(1e3 * alone_sum)
+    fig, ax = plt.subplots(figsize=(7, 3.2))
+    ax.barh(labels[::-1], values[::-1], color="tab:blue")
+    ax.set_xlabel("ms per step (median), 8 emulated CPU devices")
+    ax.set_title(f"S={S}, M={M}, H={H}, b={b} per replica, 2 replicas")
+    fig.tight_layout()
+    fig.savefig(args.png, dpi=120)
+
+
+if __name__ == "__main__":
+  main()
