@@ -1,5 +1,6 @@
 """Two processes on 127.0.0.1 (gloo) give the parameters of one process."""
 
+import json
 import pathlib
 import socket
 import subprocess
@@ -29,8 +30,21 @@ def _run(num_processes, out, *args):
   return np.load(out)
 
 
-@pytest.mark.parametrize("args", [("pipedream", "bsp")])
-def test_two_processes_match_one(tmp_path, args):
+_SPECS = [
+    {"schedule": "pipedream", "schedule_kwargs": {}, "sync": "bsp",
+     "sync_kwargs": {}},
+    {"schedule": "hetpipe", "schedule_kwargs": {"concurrent_minibatches": 2},
+     "sync": "wsp", "sync_kwargs": {"clock_distance": 1,
+                                    "concurrent_minibatches": 2}},
+    {"schedule": "1f1b", "schedule_kwargs": {}, "sync": "sdpipe",
+     "sync_kwargs": {"history": 2, "window": 0.1, "ready_times": [
+         [[0.0, 0.01, 0.5, 0.52], [0.0, 0.3, 0.31, 0.9]]] * 8}},
+]
+
+
+@pytest.mark.parametrize("spec", _SPECS, ids=lambda s: s["sync"])
+def test_two_processes_match_one(tmp_path, spec):
+  args = (json.dumps(spec),)
   one = _run(1, tmp_path / "one.npz", *args)
   two = _run(2, tmp_path / "two.npz", *args)
   assert set(one.files) == set(two.files)

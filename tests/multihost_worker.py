@@ -1,8 +1,8 @@
 """One process of a multi-process pipeline run (started by multihost_test.py).
 
-Usage: python multihost_worker.py PORT NUM_PROCESSES PROCESS_ID OUT.npz SCHEDULE
-       SYNC [SYNC_KWARGS_JSON]
-With NUM_PROCESSES=1 it runs alone on 8 devices: the reference result.
+Usage: python multihost_worker.py PORT NUM_PROCESSES PROCESS_ID OUT.npz SPEC
+SPEC is JSON: {"schedule", "schedule_kwargs", "sync", "sync_kwargs"}. With
+NUM_PROCESSES=1 it runs alone on 8 devices: the reference result.
 """
 
 import json
@@ -10,8 +10,7 @@ import os
 import sys
 
 port, num_processes, process_id = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-out, schedule_name, sync_name = sys.argv[4], sys.argv[5], sys.argv[6]
-sync_kwargs = json.loads(sys.argv[7]) if len(sys.argv) > 7 else {}
+out, spec = sys.argv[4], json.loads(sys.argv[5])
 os.environ["XLA_FLAGS"] = (
     f"--xla_force_host_platform_device_count={8 // num_processes}")
 os.environ["JAX_PLATFORMS"] = "cpu"
@@ -32,14 +31,12 @@ from stalepipe.models.losses import cross_entropy as classification_loss  # pyli
 
 D, S, M, B, b = 4, 2, 2, 2, 2
 staged = sp.models.split(sp.models.mlp(8, 6, 1, 4, seed=0), S)
-schedule = sp.schedules.make(schedule_name, num_stages=S, num_microbatches=M,
-                             num_minibatches=B)
+schedule = sp.schedules.make(spec["schedule"], num_stages=S, num_microbatches=M,
+                             num_minibatches=B, **spec["schedule_kwargs"])
 mesh = jax.make_mesh((D, S), ("data", "stage"))
-kwargs = {}
-if sync_name != "bsp":
-  kwargs["sync"] = sp.sync.make(sync_name, num_replicas=D, **sync_kwargs)
+policy = sp.sync.make(spec["sync"], num_replicas=D, **spec["sync_kwargs"])
 pipe = executor.Pipeline(staged.stage_fns, classification_loss, schedule,
-                         optax.sgd(0.3), mesh, **kwargs)
+                         optax.sgd(0.3), mesh, sync=policy)
 state = pipe.init(staged.stage_params)
 rng = np.random.default_rng(0)
 local = slice(process_id * D * b // num_processes,

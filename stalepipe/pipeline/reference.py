@@ -9,6 +9,11 @@ own slice of every micro-batch. At each update the sync policy acts the way
 each wave's mean update after the wave's delay, and group policies average the
 new weights with their mixing matrix. The shard_map executor must reproduce
 it.
+
+The oracle also tracks which updates each weight version reflects, so it
+reports every minibatch's *observed staleness*: `p - r`, with `r` the longest
+prefix of minibatches whose updates from every replica the weights its
+forward read reflect (HetPipe's measure: seed 001 §5).
 """
 
 import dataclasses
@@ -28,6 +33,8 @@ class ReferenceState:
   """Everything the oracle carries between windows."""
 
   versions: dict  # (replica, stage) -> list of every weight version
+  provenance: dict  # (replica, stage) -> per version, the (replica,
+  #   minibatch) updates it reflects (wholly, or in part through averaging)
   opt_states: dict  # (replica, stage) -> optimizer state
   grads: dict  # (replica, stage, minibatch) -> accumulated gradient
   acts: dict  # (replica, stage, minibatch, micro-batch) -> the stage's input
@@ -67,6 +74,8 @@ class Pipeline:
     return ReferenceState(
         versions={(d, s): (p,) for d in range(D)
                   for s, p in enumerate(stage_params)},
+        provenance={(d, s): (frozenset(),) for d in range(D)
+                    for s in range(len(stage_params))},
         opt_states={(d, s): self.optimizer.init(p) for d in range(D)
                     for s, p in enumerate(stage_params)},
         grads={}, acts={}, cots={}, wave_updates={}, wave_added=frozenset(),
@@ -86,6 +95,8 @@ class Pipeline:
     first = {t.minibatch: t.tick for t in stream.tasks
              if t.stage == 0 and t.kind in ("F", "FB") and t.microbatch == 0}
     versions = {key: list(v) for key, v in state.versions.items()}
+    provenance = {key: list(v) for key, v in state.provenance.items()}
+    staleness = {}  # minibatch -> most updates a forward of it missed
     opt_states = dict(state.opt_states)
     grads, acts, cots = dict(state.grads), dict(state.acts), dict(state.cots)
     wave_updates, wave_added = dict(state.wave_updates), set(state.wave_added)
@@ -105,6 +116,11 @@ class Pipeline:
       fn, w = self.stage_fns[s], versions[(d, s)][stream.task_version(t)]
       x_of = lambda m: (part(all_inputs[p], d)[m] if s == 0
                         else acts[(d, s, p, m)])
+      if t.kind in ("F", "FB"):
+        seen = provenance[(d, s)][stream.task_version(t)]
+        prefix = min(next(q for q in range(p + 1) if (e, q) not in seen)
+                     for e in range(D))
+        staleness[p] = max(staleness.get(p, 0), p - prefix)
       if t.kind == "F":
         y = fn(w, x_of(t.microbatch))
         if s + 1 < S:
@@ -137,9 +153,11 @@ class Pipeline:
                          for t in stream.tasks) else "B"
       stale_version = stream.version(p, s, kind, 0)  # its first backward's
       g = [grads.pop((d, s, p)) for d in range(D)]
+      seen = [provenance[(d, s)][-1] | {(d, p)} for d in range(D)]
       if self.sync.average_gradients:
         mean = jax.tree.map(lambda *x: sum(x) / D, *g)
         g = [mean] * D
+        seen = [x | {(e, p) for e in range(D)} for x in seen]
       new = []
       for d in range(D):
         current = versions[(d, s)][-1]
@@ -166,13 +184,19 @@ class Pipeline:
                                   *[wave_updates[(e, s, w)] for e in range(D)])
               new[d] = jax.tree.map(lambda a, m, o: a + m - o, new[d], mean,
                                     wave_updates[(d, s, w)])
+              seen[d] = seen[d] | {
+                  (e, q) for e in range(D)
+                  for q in range(w * self.sync.wave, (w + 1) * self.sync.wave)}
       mixing = self.sync.mixing(s, p)
       if mixing is not None:
         new = [jax.tree.map(lambda *x: sum(mixing[d, e] * x[e]  # pylint: disable=cell-var-from-loop
                                            for e in range(D)), *new)
                for d in range(D)]
+        seen = [frozenset().union(*[seen[e] for e in range(D) if mixing[d, e]])
+                for d in range(D)]
       for d in range(D):
         versions[(d, s)].append(new[d])
+        provenance[(d, s)].append(frozenset(seen[d]))
 
     for tick in range(first[k * B], first[(k + 1) * B]):
       for t in (t for t in stream.tasks if t.tick == tick):
@@ -183,9 +207,11 @@ class Pipeline:
 
     state = ReferenceState(
         versions={key: tuple(v) for key, v in versions.items()},
+        provenance={key: tuple(v) for key, v in provenance.items()},
         opt_states=opt_states, grads=grads, acts=acts, cots=cots,
         wave_updates=wave_updates, wave_added=frozenset(wave_added),
         inputs=all_inputs, targets=all_targets,
         window=k + 1)
     loss = jnp.mean(jnp.stack(losses)) if losses else jnp.nan
-    return state, {"loss": loss, "num_losses": len(losses) // D}
+    return state, {"loss": loss, "num_losses": len(losses) // D,
+                   "staleness": staleness}
