@@ -295,8 +295,9 @@ class Pipeline:
       mini, micro = instr[_COL["minibatch"]], instr[_COL["microbatch"]]
       slot = (instr[_COL["slot"]] + base) % C
       version = carry["latest"] - instr[_COL["lag"]]
-      p = pp.unpack(s, {k: v[ring_slot(carry["versions"], version)]
-                        for k, v in carry["ring"].items()})
+      # Read inside the branches that use them: an idle tick reads nothing.
+      weights = lambda: pp.unpack(s, {k: v[ring_slot(carry["versions"], version)]
+                                      for k, v in carry["ring"].items()})
       no_send_f = jnp.zeros(buffer_shape, act_dtype)
       no_send_b = jnp.zeros((W,) + buffer_shape, act_dtype)
 
@@ -309,6 +310,7 @@ class Pipeline:
         return carry, no_send_f, no_send_b
 
       def forward():
+        p = weights()
         y = fn(p, stage_input(0))
         if not last:
           return carry, to_buffer(y), no_send_b
@@ -318,6 +320,7 @@ class Pipeline:
                 no_send_f, no_send_b)
 
       def backward(fused):
+        p = weights()
         g_sum, sends, loss = None, [], jnp.zeros((), jnp.float32)
         for w in range(W):
           x = stage_input(w)
