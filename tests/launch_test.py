@@ -3,8 +3,10 @@
 import json
 import os
 import pathlib
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -29,6 +31,11 @@ def test_default_launch_trains_to_90_percent(tmp_path):
   assert steps == sorted(steps) and steps[-1] == summary["steps"]
   assert json.loads((tmp_path / "config.json").read_text())["schedule"] == "gpipe"
   assert "test accuracy" in result.stdout
+  assert summary["seconds"] < 60
+  for name in ("loss.png", "schedule.png", "params.npz"):
+    assert (tmp_path / name).stat().st_size > 0, name
+  assert any("tfevents" in p.name for p in (tmp_path / "tb").iterdir())
+  assert str(summary["steps"] // 4) in os.listdir(tmp_path / "checkpoints")
 
 
 @pytest.mark.parametrize("args,expected", [
@@ -43,3 +50,41 @@ def test_bad_input_exits_with_one_line(tmp_path, args, expected):
   assert "Traceback" not in result.stderr
   last = result.stderr.strip().splitlines()[-1]
   assert last.startswith("launch.py: error:") and expected in last, last
+
+
+def test_nan_loss_exits_with_one_line_naming_the_step(tmp_path):
+  result = _launch("--config.optimizer=sgd",
+                   "--config.optimizer_kwargs.learning_rate=3",
+                   "--config.num_steps=400", "--config.checkpoint_every=1",
+                   "--config.log_every=100", workdir=tmp_path)
+  assert result.returncode != 0 and "Traceback" not in result.stderr
+  last = result.stderr.strip().splitlines()[-1]
+  assert last.startswith("launch.py: error: loss is ") and " at step " in last
+  assert "last good checkpoint: " in last, last
+
+
+@pytest.mark.slow
+def test_sigterm_stops_with_a_checkpoint_and_the_rerun_resumes(tmp_path):
+  env = dict(os.environ)
+  env.pop("XLA_FLAGS", None)
+  args = [sys.executable, "launch.py", f"--workdir={tmp_path}",
+          "--config.num_steps=4000", "--config.log_every=1",
+          "--config.eval_every=0"]
+  proc = subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True)
+  metrics = tmp_path / "metrics.jsonl"
+  while not (metrics.exists() and metrics.stat().st_size):
+    assert proc.poll() is None, proc.communicate()[1][-2000:]
+    time.sleep(0.05)
+  proc.send_signal(signal.SIGTERM)
+  _, err = proc.communicate(timeout=120)
+  assert proc.returncode != 0 and "Traceback" not in err
+  last = err.strip().splitlines()[-1]
+  assert last.startswith("launch.py: stopped by SIGTERM at step "), last
+  stopped_at = int(last.split(" at step ")[1].split(";")[0])
+  assert 0 < stopped_at < 4000
+  rerun = _launch("--config.num_steps=4000", "--config.eval_every=0",
+                  workdir=tmp_path)
+  assert rerun.returncode == 0, rerun.stderr[-2000:]
+  summary = json.loads((tmp_path / "summary.json").read_text())
+  assert summary["resumed_from_step"] == stopped_at
