@@ -26,7 +26,7 @@ stage's replicas talk over Ethernet as in the paper's 4 x 4 run across two
 PipeDream-Flush 1F1B (§5.1); WSP runs the `hetpipe` schedule with N_m = 4
 concurrent minibatches and a parameter server behind one Ethernet link.
 
-Usage:
+Usage (about a minute on 2 CPU cores; results in docs/sync.md):
   .venv/bin/python experiments/sync_wallclock.py \
       [--png docs/figures/sync_wallclock.png]
 """
@@ -195,8 +195,9 @@ def simulate(policy_name: str, perturbations, scheds, cluster, costs,
     numeric = sp.sync.wsp(PIPELINES, distance, CONCURRENT,
                           delays=wsp_delays(result, distance))
   elif policy_name == "SDPipe":
+    ready = result.applied_local.transpose(1, 0, 2)  # [B, S, N]
     numeric = sp.sync.sdpipe(PIPELINES, 10, iteration / PIPELINES,
-                             ready_times=result.applied_local.transpose(1, 0, 2))
+                             ready_times=ready)
   else:
     numeric = Replayed(PIPELINES, ad_psgd_groups(result))
   completion = result.applied[:, 1:].max(axis=(0, 2))
@@ -320,8 +321,9 @@ def _table(runs):
       k = _first_window_at_target(run)
       steps = "-" if k is None else (k + 1) * WINDOW
       print(f"| {setting} | {policy_name} | {run['time'][-1]:.1f} | "
-            f"{steps} | {hit:.1f} | {bsp / hit:.2f}x | {smooth(run['loss'])[-1]:.3f} | "
-            f"{run['acc']:.3f} | {run['staleness']:.2f} | {run['extra']} |")
+            f"{steps} | {hit:.1f} | {bsp / hit:.2f}x | "
+            f"{smooth(run['loss'])[-1]:.3f} | {run['acc']:.3f} | "
+            f"{run['staleness']:.2f} | {run['extra']} |")
 
 
 _STYLE = {"BSP": dict(color="C0", lw=2.5), "WSP D=0": dict(color="C1"),
