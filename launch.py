@@ -122,7 +122,8 @@ def main(argv):
              f"{summary['steps']}; checkpoint {summary['checkpoint']}; run "
              "the same command again to resume")
   print(f"final loss {summary['final_loss']:.4f}  test accuracy "
-        f"{summary['test_accuracy']:.2%}  {summary['steps_per_s']:.1f} steps/s  "
+        f"{summary['test_accuracy']:.2%}  "
+        f"{summary['steps_per_s']:.1f} steps/s  "
         f"({summary['steps']} steps in {summary['seconds']:.1f} s)  "
         f"workdir {workdir}")
 

@@ -1,11 +1,13 @@
-r"""1F1B (PipeDream-Flush): one forward, one backward in steady state, flush per minibatch.
+r"""1F1B (PipeDream-Flush): one forward, one backward; flush per minibatch.
 
 Run:
   python launch.py --config=configs/1f1b.py --workdir=runs/1f1b
-Model/data variants as in configs/default.py, e.g. `configs/1f1b.py:variant=vgg_digits`.
+Model/data variants as in configs/default.py, e.g.
+`configs/1f1b.py:variant=vgg_digits`.
 
 References:
-  Narayanan et al, Memory-Efficient Pipeline-Parallel DNN Training <https://arxiv.org/abs/2006.09503>, 2021 (§3.1, PipeDream-Flush).
+  Narayanan et al, Memory-Efficient Pipeline-Parallel DNN Training
+  <https://arxiv.org/abs/2006.09503>, 2021 (§3.1, PipeDream-Flush).
 """
 
 import ml_collections

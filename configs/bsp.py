@@ -1,11 +1,13 @@
-r"""BSP: GPipe pipelines with an all-reduce of gradients across replicas every minibatch.
+r"""BSP: GPipe pipelines, gradients all-reduced across replicas each update.
 
 Run:
   python launch.py --config=configs/bsp.py --workdir=runs/bsp
-Model/data variants as in configs/default.py, e.g. `configs/bsp.py:variant=vgg_digits`.
+Model/data variants as in configs/default.py, e.g.
+`configs/bsp.py:variant=vgg_digits`.
 
 References:
-  Valiant, A Bridging Model for Parallel Computation, CACM 1990; the BSP baseline of seed 001 (§8) and seed 002 (§6).
+  Valiant, A Bridging Model for Parallel Computation, CACM 1990; the BSP
+  baseline of seed 001 (§8) and seed 002 (§6).
 """
 
 import ml_collections

@@ -2,10 +2,12 @@ r"""GPipe: synchronous pipeline, all forwards then all backwards, flush.
 
 Run:
   python launch.py --config=configs/gpipe.py --workdir=runs/gpipe
-Model/data variants as in configs/default.py, e.g. `configs/gpipe.py:variant=vgg_digits`.
+Model/data variants as in configs/default.py, e.g.
+`configs/gpipe.py:variant=vgg_digits`.
 
 References:
-  Huang et al, GPipe: Efficient Training of Giant Neural Networks using Pipeline Parallelism <https://arxiv.org/abs/1811.06965>, 2019 (§2.2).
+  Huang et al, GPipe: Efficient Training of Giant Neural Networks using Pipeline
+  Parallelism <https://arxiv.org/abs/1811.06965>, 2019 (§2.2).
 """
 
 import ml_collections

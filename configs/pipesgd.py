@@ -1,11 +1,13 @@
-r"""PipeSGD: data parallelism with 1-step stale gradients (communication hidden behind compute).
+r"""PipeSGD: data parallelism with 1-step stale gradients.
 
 Run:
   python launch.py --config=configs/pipesgd.py --workdir=runs/pipesgd
-Model/data variants as in configs/default.py, e.g. `configs/pipesgd.py:variant=vgg_digits`.
+Model/data variants as in configs/default.py, e.g.
+`configs/pipesgd.py:variant=vgg_digits`.
 
 References:
-  Li et al, Pipe-SGD: A Decentralized Pipelined SGD Framework for Distributed Deep Net Training, NeurIPS 2018 (§3); SAPipe, seed 004 (§2.2).
+  Li et al, Pipe-SGD: A Decentralized Pipelined SGD Framework for Distributed
+  Deep Net Training, NeurIPS 2018 (§3); SAPipe, seed 004 (§2.2).
 """
 
 import ml_collections

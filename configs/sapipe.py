@@ -2,10 +2,12 @@ r"""SAPipe: asynchronous pipeline with SAPipe's full-matrix delay compensation.
 
 Run:
   python launch.py --config=configs/sapipe.py --workdir=runs/sapipe
-Model/data variants as in configs/default.py, e.g. `configs/sapipe.py:variant=vgg_digits`.
+Model/data variants as in configs/default.py, e.g.
+`configs/sapipe.py:variant=vgg_digits`.
 
 References:
-  SAPipe, seed 004 (§4.2 eq. 1: full-matrix delay compensation, adaptive lambda); the gradient is compensated for the stash it was computed on.
+  SAPipe, seed 004 (§4.2 eq. 1: full-matrix delay compensation, adaptive
+  lambda); the gradient is compensated for the stash it was computed on.
 """
 
 import ml_collections

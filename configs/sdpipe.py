@@ -1,11 +1,14 @@
-r"""SDPipe: pipelines synchronised by scheduled group averaging, variance-corrected Adam.
+r"""SDPipe: scheduled group averaging, variance-corrected Adam.
 
 Run:
   python launch.py --config=configs/sdpipe.py --workdir=runs/sdpipe
-Model/data variants as in configs/default.py, e.g. `configs/sdpipe.py:variant=vgg_digits`.
+Model/data variants as in configs/default.py, e.g.
+`configs/sdpipe.py:variant=vgg_digits`.
 
 References:
-  Miao et al, SDPipe: A Semi-Decentralized Framework for Heterogeneity-aware Pipeline-parallel Training, VLDB 2023, seed 002 (§4 group scheduling, §5 Adam variance correction).
+  Miao et al, SDPipe: A Semi-Decentralized Framework for Heterogeneity-aware
+  Pipeline-parallel Training, VLDB 2023, seed 002 (§4 group scheduling,
+  §5 Adam variance correction).
 """
 
 import ml_collections

@@ -1,11 +1,13 @@
-r"""TiMePReSt: nF1B (N micro-batch forwards, one backward), no horizontal stashing.
+r"""TiMePReSt: nF1B (N micro-batch forwards, one backward), no stashing.
 
 Run:
   python launch.py --config=configs/timeprest.py --workdir=runs/timeprest
-Model/data variants as in configs/default.py, e.g. `configs/timeprest.py:variant=vgg_digits`.
+Model/data variants as in configs/default.py, e.g.
+`configs/timeprest.py:variant=vgg_digits`.
 
 References:
-  TiMePReSt, seed 003 (§4: nF1B, vertical sync, version difference v = floor((W+N-2)/N)).
+  TiMePReSt, seed 003 (§4: nF1B, vertical sync, version difference v =
+  floor((W+N-2)/N)).
 """
 
 import ml_collections

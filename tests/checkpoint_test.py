@@ -101,8 +101,8 @@ def test_sigterm_then_resume_equals_straight_run(tmp_path, name):
   for key in want:
     np.testing.assert_array_equal(got[key], want[key], err_msg=key)
   # The resumed run's log continues the stopped one without duplicates.
-  steps = [r["step"] for r in map(json.loads, (stopped / "metrics.jsonl").open())
-           if "loss" in r]
+  records = map(json.loads, (stopped / "metrics.jsonl").open())
+  steps = [r["step"] for r in records if "loss" in r]
   assert steps == list(range(2, NUM_WINDOWS * 2 + 1, 2))
 
 

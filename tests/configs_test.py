@@ -20,7 +20,7 @@ from configs import default  # pylint: disable=g-import-not-at-top
 from stalepipe import models  # pylint: disable=g-import-not-at-top
 from stalepipe import schedules  # pylint: disable=g-import-not-at-top
 from stalepipe import sync  # pylint: disable=g-import-not-at-top
-from stalepipe.train import input_pipeline  # pylint: disable=g-import-not-at-top
+from stalepipe.train import input_pipeline  # noqa: E402
 from stalepipe.train import optimizers  # pylint: disable=g-import-not-at-top
 from stalepipe.train import trainer  # pylint: disable=g-import-not-at-top
 
@@ -167,7 +167,8 @@ def test_transform_chain_passes_stale_params_to_delay_compensation():
   x, stale, g = jnp.array([1.0, 2.0]), jnp.array([0.5, 1.0]), jnp.array(
       [0.3, -0.4])
   updates, _ = opt.update(g, opt.init(x), x, stale_params=stale)
-  want = -lr * (np.asarray(g) + lam * np.asarray(g) ** 2 * np.asarray(x - stale))
+  g_np, dx = np.asarray(g), np.asarray(x - stale)
+  want = -lr * (g_np + lam * g_np**2 * dx)
   np.testing.assert_allclose(updates, want, rtol=1e-6)
 
 

@@ -68,7 +68,7 @@ def test_sigterm_stops_with_a_checkpoint_and_the_rerun_resumes(tmp_path):
   env = dict(os.environ)
   env.pop("XLA_FLAGS", None)
   args = [sys.executable, "launch.py", f"--workdir={tmp_path}",
-          "--config.num_steps=4000", "--config.log_every=1",
+          "--config.num_steps=800", "--config.log_every=1",
           "--config.eval_every=0"]
   proc = subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                           stderr=subprocess.PIPE, text=True)
@@ -82,8 +82,8 @@ def test_sigterm_stops_with_a_checkpoint_and_the_rerun_resumes(tmp_path):
   last = err.strip().splitlines()[-1]
   assert last.startswith("launch.py: stopped by SIGTERM at step "), last
   stopped_at = int(last.split(" at step ")[1].split(";")[0])
-  assert 0 < stopped_at < 4000
-  rerun = _launch("--config.num_steps=4000", "--config.eval_every=0",
+  assert 0 < stopped_at < 800
+  rerun = _launch("--config.num_steps=800", "--config.eval_every=0",
                   workdir=tmp_path)
   assert rerun.returncode == 0, rerun.stderr[-2000:]
   summary = json.loads((tmp_path / "summary.json").read_text())

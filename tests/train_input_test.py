@@ -52,7 +52,8 @@ def test_window_batch_puts_replicas_side_by_side():
 
 def test_global_batch_is_independent_of_the_process_count():
   """One process with both replicas == two processes with one each."""
-  shards = [input_pipeline.Shard(r, *input_pipeline.load("digits", {}, r, 2)[:2])
+  shards = [input_pipeline.Shard(r, *input_pipeline.load("digits", {}, r,
+                                                         2)[:2])
             for r in range(2)]
   whole = input_pipeline.window_batch(shards, 5, 2, 2, 3, seed=1)
   parts = [input_pipeline.window_batch([s], 5, 2, 2, 3, seed=1)

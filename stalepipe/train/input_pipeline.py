@@ -79,8 +79,8 @@ def window_rows(window: int, num_rows: int, need: int, seed: int,
 
   Examples:
     >>> rows = [window_rows(w, 10, 4, 0, 0) for w in range(3)]
-    >>> len(set(rows[0]) | set(rows[1])), sorted(rows[2]) == sorted(set(rows[2]))
-    (8, True)
+    >>> len(set(rows[0]) | set(rows[1])), len(set(rows[2]))
+    (8, 4)
   """
   per_epoch = num_rows // need
   if per_epoch < 1:

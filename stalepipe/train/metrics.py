@@ -42,7 +42,7 @@ class Writer:
     self.records: list[dict[str, Any]] = []
     if not enabled:
       return
-    from tensorboardX import SummaryWriter  # pylint: disable=g-import-not-at-top
+    import tensorboardX  # pylint: disable=g-import-not-at-top
     path = os.path.join(workdir, "metrics.jsonl")
     if resume_step is not None and os.path.exists(path):
       with open(path) as f:
@@ -51,7 +51,7 @@ class Writer:
     self._jsonl = open(path, "w")
     for record in self.records:
       self._jsonl.write(json.dumps(record) + "\n")
-    self._tb = SummaryWriter(os.path.join(workdir, "tb"))
+    self._tb = tensorboardX.SummaryWriter(os.path.join(workdir, "tb"))
 
   def write(self, step: int, metrics: dict[str, float]) -> None:
     if not self.enabled:

@@ -41,7 +41,7 @@ _EVAL_BATCH = 512
 
 
 def make_mesh(num_replicas: int, num_stages: int) -> jax.sharding.Mesh:
-  """A ('data', 'stage') mesh over the first D * S devices (of all processes)."""
+  """A ('data', 'stage') mesh over the first D * S devices of all processes."""
   devices = jax.devices()
   need = num_replicas * num_stages
   if need > len(devices):
@@ -69,7 +69,8 @@ def model_kwargs(name: str, example: np.ndarray, num_classes: int
             **extra}
   if name == "transformer":
     return {"vocab_size": num_classes, "max_len": example.shape[0]}
-  raise ValueError(f"unknown model {name!r}; valid: {', '.join(models.names())}")
+  raise ValueError(f"unknown model {name!r}; valid: "
+                   f"{', '.join(models.names())}")
 
 
 def abstract_state(pipe: executor.Pipeline, stage_params: Any,
@@ -194,7 +195,6 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
     loss = float(step_metrics["loss"])
     if int(step_metrics["num_losses"]) > 0 and not np.isfinite(loss):
       ckpt.wait()
-      ckpt.close()
       last = ckpt.latest_step()
       kept = (f"last good checkpoint: {ckpt.directory}/{last}"
               if last is not None else "no checkpoint was saved")
@@ -212,42 +212,47 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
   # Loop. Window w (1-based) runs the rows of input window w - 1; metrics of
   # a window are read one window later, so the host never stalls the device.
   start, loss, pending, preempted = None, float("nan"), None, None
-  with preemption_lib.Preemption() as preemption:
-    for window in range(first + 1, num_windows + 1):
-      state, step_metrics = pipe.step(state, *batch(window - 1))
-      if start is None:  # time the steady state, after compilation
-        jax.block_until_ready(step_metrics)
-        start, start_window = time.time(), window
-      if pending is not None:
-        loss = check(*pending)
-      pending = (window, step_metrics)
-      if window % config.log_every == 0 or window == num_windows:
-        loss = check(*pending)
-        rate = (window - start_window) * B / max(time.time() - start, 1e-9)
-        record = {"loss": loss, "steps_per_s": rate,
-                  "examples_per_s": rate * examples_per_step, **static,
-                  "state_bytes": metrics_lib.tree_bytes(state),
-                  **metrics_lib.memory_bytes()}
-        if config.eval_every and window % config.eval_every == 0:
-          record["test_loss"], record["test_accuracy"] = evaluate(
-              model_fn, pipe.params(state), x_test, y_test, loss_fn)
-        writer.write(window * B, record)
-        progress.show(window * B, loss)
-      if preemption.requested():
-        check(*pending)
-        save(window)
-        preempted = preemption.signal_name or "SIGTERM"
-        break
-      if config.checkpoint_every and window % config.checkpoint_every == 0:
-        check(*pending)
-        save(window)
-    else:
-      if pending is not None:
-        loss = check(*pending)
-        if ckpt.latest_step() != num_windows:
-          save(num_windows)
-  ckpt.wait()
-  ckpt.close()
+  try:
+    with preemption_lib.Preemption() as preemption:
+      for window in range(first + 1, num_windows + 1):
+        state, step_metrics = pipe.step(state, *batch(window - 1))
+        if start is None:  # time the steady state, after compilation
+          jax.block_until_ready(step_metrics)
+          start, start_window = time.time(), window
+        if pending is not None:
+          loss = check(*pending)
+        pending = (window, step_metrics)
+        if window % config.log_every == 0 or window == num_windows:
+          loss = check(*pending)
+          rate = (window - start_window) * B / max(time.time() - start, 1e-9)
+          # Whatever else the executor measures (e.g. num_losses) goes too.
+          record = {k: float(v) for k, v in step_metrics.items()
+                    if np.ndim(v) == 0}
+          record.update(loss=loss, steps_per_s=rate,
+                        examples_per_s=rate * examples_per_step, **static,
+                        state_bytes=metrics_lib.tree_bytes(state),
+                        **metrics_lib.memory_bytes())
+          if config.eval_every and window % config.eval_every == 0:
+            record["test_loss"], record["test_accuracy"] = evaluate(
+                model_fn, pipe.params(state), x_test, y_test, loss_fn)
+          writer.write(window * B, record)
+          progress.show(window * B, loss)
+        if preemption.requested():
+          check(*pending)
+          save(window)
+          preempted = preemption.signal_name or "SIGTERM"
+          break
+        if config.checkpoint_every and window % config.checkpoint_every == 0:
+          check(*pending)
+          save(window)
+      else:
+        if pending is not None:
+          loss = check(*pending)
+          if ckpt.latest_step() != num_windows:
+            save(num_windows)
+  finally:  # pending saves complete, even when the run fails
+    ckpt.wait()
+    ckpt.close()
   done = window if preempted else num_windows
   elapsed = time.time() - start if start is not None else 0.0
   steps_per_s = ((done - start_window) * B / elapsed
