@@ -259,6 +259,10 @@ def main():
   parser.add_argument("--png", default="docs/figures/sync_wallclock.png")
   parser.add_argument("--minibatches", type=int, default=MINIBATCHES)
   args = parser.parse_args()
+  least = 4 * CONCURRENT + 8  # the tiled schedules' pattern
+  if args.minibatches < least:
+    raise ValueError(f"--minibatches={args.minibatches} is invalid; it must "
+                     f"be >= {least}")
   started = time.time()
   num_windows = args.minibatches // WINDOW
   cluster, costs = time_side()
