@@ -52,6 +52,7 @@ def test_bad_input_exits_with_one_line(tmp_path, args, expected):
   assert last.startswith("launch.py: error:") and expected in last, last
 
 
+@pytest.mark.slow
 def test_nan_loss_exits_with_one_line_naming_the_step(tmp_path):
   result = _launch("--config.optimizer=sgd",
                    "--config.optimizer_kwargs.learning_rate=3",

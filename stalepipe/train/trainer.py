@@ -289,5 +289,5 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
       metrics_lib.plot_losses(writer.records,
                               os.path.join(workdir, "loss.png"), title)
       metrics_lib.plot_schedule(schedule, os.path.join(workdir, "schedule.png"),
-                                f"{config.schedule}: one window")
+                                f"{config.schedule}: S={S}, M={M}, B={B}")
   return summary
