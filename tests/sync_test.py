@@ -222,3 +222,9 @@ def test_bad_policies_are_rejected():
                                         num_microbatches=1), optax.sgd(0.1),
                       jax.make_mesh((D, S), ("data", "stage")),
                       sync=sp.sync.bsp(3))
+
+
+def test_sdpipe_without_a_trace_averages_every_stage_of_every_iteration():
+  plan = sp.sync.sdpipe(D).plan(0, 3, 4)  # stages asked in any order
+  assert plan["mix_on"].tolist() == [[1] * 4] * 3
+  np.testing.assert_allclose(plan["mix"], np.full((3, 4, D, D), 1 / D))

@@ -58,23 +58,27 @@ class SDPipe(base.SyncPolicy):
         self.ready_times.ndim != 3 or self.ready_times.shape[2] != num_replicas):
       raise ValueError(f"ready_times of shape {self.ready_times.shape} is "
                        f"invalid; valid: [iterations, stages, {num_replicas}]")
+    self._num_stages = 1 if self.ready_times is None else self.ready_times.shape[1]
+    self._reset()
+
+  def _reset(self):
     self.groups = []  # [iteration][stage] -> list of member arrays
     self.skipped = []  # (stage, iteration) whose validation was skipped
     self._past = collections.defaultdict(
-        lambda: collections.deque(maxlen=history - 1))
+        lambda: collections.deque(maxlen=self.history - 1))
     self._waiting = {}  # stage -> (begin, end) of its last enforcement wait
 
-  def _ready(self, iteration: int, num_stages: int) -> np.ndarray:
+  def _ready(self, iteration: int) -> np.ndarray:
     if self.ready_times is not None and iteration < len(self.ready_times):
       return self.ready_times[iteration]
-    return np.zeros((num_stages, self.num_replicas))
+    return np.zeros((self._num_stages, self.num_replicas))
 
-  def _schedule(self, iteration: int, num_stages: int):
+  def _schedule(self, iteration: int):
     """Runs the scheduler up to `iteration` (Algorithm 2 with §3.4)."""
-    N = self.num_replicas
+    N, num_stages = self.num_replicas, self._num_stages
     while len(self.groups) <= iteration:
       k = len(self.groups)
-      ready = self._ready(k, num_stages)
+      ready = self._ready(k)
       row = [None] * num_stages
       for j in sorted(range(num_stages), key=lambda j: ready[j].min()):
         groups, starts = sdpipe_sync.window_groups(ready[j], self.window)
@@ -93,9 +97,13 @@ class SDPipe(base.SyncPolicy):
       self.groups.append(row)
 
   def mixing(self, stage: int, minibatch: int) -> np.ndarray:
-    num_stages = (self.ready_times.shape[1] if self.ready_times is not None
-                  else stage + 1)
-    self._schedule(minibatch, max(num_stages, stage + 1))
+    if stage >= self._num_stages:
+      if self.ready_times is not None:
+        raise ValueError(f"stage {stage} is not in ready_times of "
+                         f"{self._num_stages} stages")
+      self._num_stages = stage + 1  # no trace: every stage ready at once
+      self._reset()
+    self._schedule(minibatch)
     return base.group_mixing(self.groups[minibatch][stage], self.num_replicas)
 
 
