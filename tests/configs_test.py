@@ -63,11 +63,7 @@ def test_method_configs_override_default_not_copy_it(filename):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("filename", [
-    pytest.param(f, marks=pytest.mark.xfail(
-        reason="stalepipe.sync.SDPipe.mixing: IndexError when stage 1 is "
-        "asked after stage 0 scheduled minibatch 0 (lead's sync, in progress)"))
-    if f == "sdpipe.py" else f for f in CONFIG_FILES])
+@pytest.mark.parametrize("filename", CONFIG_FILES)
 def test_every_config_runs_two_steps(tmp_path, filename):
   config = get_config(filename)
   config.minibatches_per_window, config.num_steps = 1, 2
