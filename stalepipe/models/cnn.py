@@ -15,6 +15,8 @@ from typing import Sequence
 import jax
 from flax import nnx
 
+from stalepipe.models.mlp import DenseBlock
+
 # Table 1 of Simonyan & Zisserman: conv widths per stage, each stage pooled.
 VGG16 = ((64, 64), (128, 128), (256, 256, 256), (512, 512, 512),
          (512, 512, 512))
@@ -34,19 +36,6 @@ class ConvBlock(nnx.Module):
     for conv in self.convs:
       x = nnx.relu(conv(x))
     return nnx.max_pool(x, window_shape=(2, 2), strides=(2, 2))
-
-
-class DenseBlock(nnx.Module):
-  """Flattens [b, ...] to [b, d_in], then `relu(x W + b)` (bare for logits)."""
-
-  def __init__(self, in_features: int, out_features: int, *, activate: bool,
-               rngs: nnx.Rngs):
-    self.linear = nnx.Linear(in_features, out_features, rngs=rngs)
-    self.activate = activate
-
-  def __call__(self, x: jax.Array) -> jax.Array:
-    y = self.linear(x.reshape(x.shape[0], -1))
-    return nnx.relu(y) if self.activate else y
 
 
 def vgg(num_classes: int = 10, *, image_size: int = 32, in_channels: int = 3,

@@ -5,7 +5,7 @@ from flax import nnx
 
 
 class DenseBlock(nnx.Module):
-  """`relu(x @ W + b)`, or the bare affine map for the output block."""
+  """Flattens [b, ...] to [b, d_in], then `relu(x W + b)` (bare for logits)."""
 
   def __init__(self, in_features: int, out_features: int, *, activate: bool,
                rngs: nnx.Rngs):
@@ -13,7 +13,7 @@ class DenseBlock(nnx.Module):
     self.activate = activate
 
   def __call__(self, x: jax.Array) -> jax.Array:
-    y = self.linear(x)
+    y = self.linear(x.reshape(x.shape[0], -1))
     return nnx.relu(y) if self.activate else y
 
 
