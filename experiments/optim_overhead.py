@@ -6,7 +6,10 @@ and with: stale buffer + DC (diagonal, full), stale buffer + WP (options 1, 3).
 Reports the share of the step spent on compensation, (t - t_base) / t, and the
 optimizer-state bytes per parameter of every transform in `stalepipe.optim`.
 
-  .venv/bin/python experiments/optim_overhead.py [--batch 256] [--repeats 15]
+  .venv/bin/python experiments/optim_overhead.py [--batch 64 512 2048] [--repeats 15]
+
+Several batch sizes give the share as the step's compute grows: compensation
+is a few memory-bound passes over the parameters, a fixed cost per step.
 """
 
 import argparse
@@ -57,9 +60,35 @@ def state_bytes_per_param(transform_init, params):
   return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state)) / num
 
 
+def time_variants(variants, params, widths, batch, repeats):
+  """Median step seconds of every variant, interleaved, and its share."""
+  rng = np.random.default_rng(0)
+  x = jnp.asarray(rng.normal(size=(batch, widths[0])), jnp.float32)
+  y = jnp.asarray(rng.integers(0, 10, batch), jnp.int32)
+  runs = {}
+  for name, (init, step) in variants.items():
+    p = jax.tree.map(jnp.copy, params)
+    fn = jax.jit(step, donate_argnums=(0, 1))
+    runs[name] = [fn, p, init(p)]
+    for _ in range(2):  # compile + warm-up
+      runs[name][1], runs[name][2] = fn(*runs[name][1:], x, y)
+    jax.block_until_ready(runs[name][1])
+  times = {name: [] for name in variants}
+  for _ in range(repeats):  # interleaved, so load drifts hit all alike
+    for name, run in runs.items():
+      start = time.perf_counter()
+      run[1], run[2] = run[0](run[1], run[2], x, y)
+      jax.block_until_ready(run[1])
+      times[name].append(time.perf_counter() - start)
+  base = np.median(times["baseline (sgd momentum)"])
+  return {name: {"median_s": float(np.median(ts)),
+                 "share": float((np.median(ts) - base) / np.median(ts))}
+          for name, ts in times.items()}
+
+
 def main():
   parser = argparse.ArgumentParser()
-  parser.add_argument("--batch", type=int, default=256)
+  parser.add_argument("--batch", type=int, nargs="+", default=[256])
   parser.add_argument("--width", type=int, default=2048)
   parser.add_argument("--repeats", type=int, default=15)
   args = parser.parse_args()
@@ -79,36 +108,21 @@ def main():
       "stale + WP option 3": wp_step(sp.optim.WeightPrediction(
           sgd(), 3, num_workers=4)),
   }
-  rng = np.random.default_rng(0)
-  x = jnp.asarray(rng.normal(size=(args.batch, widths[0])), jnp.float32)
-  y = jnp.asarray(rng.integers(0, 10, args.batch), jnp.int32)
-  runs = {}
-  for name, (init, step) in variants.items():
-    p = jax.tree.map(jnp.copy, params)
-    fn = jax.jit(step, donate_argnums=(0, 1))
-    runs[name] = [fn, p, init(p)]
-    for _ in range(2):  # compile + warm-up
-      runs[name][1], runs[name][2] = fn(*runs[name][1:], x, y)
-    jax.block_until_ready(runs[name][1])
-  times = {name: [] for name in variants}
-  for _ in range(args.repeats):  # interleaved, so load drifts hit all alike
-    for name, run in runs.items():
-      start = time.perf_counter()
-      run[1], run[2] = run[0](run[1], run[2], x, y)
-      jax.block_until_ready(run[1])
-      times[name].append(time.perf_counter() - start)
-  base = np.median(times["baseline (sgd momentum)"])
-  print(f"MLP {widths}: {num_params / 1e6:.1f}M params, batch {args.batch}, "
-        f"{args.repeats} interleaved repeats, {jax.devices()[0].platform}")
-  print("| step | median ms | compensation share (t - t_base) / t |")
-  print("|---|---|---|")
-  results = {}
-  for name, ts in times.items():
-    med = float(np.median(ts))
-    share = (med - base) / med
-    results[name] = {"median_s": med, "share": share}
-    print(f"| {name} | {1e3 * med:.1f} | "
-          f"{'-' if name.startswith('baseline') else f'{100 * share:.1f}%'} |")
+  results = {batch: time_variants(variants, params, widths, batch,
+                                  args.repeats)
+             for batch in args.batch}
+  print(f"MLP {widths}: {num_params / 1e6:.1f}M params, {args.repeats} "
+        f"interleaved repeats, {jax.devices()[0].platform}")
+  print("| step | " + " | ".join(f"batch {b}: median ms, share"
+                                  for b in args.batch) + " |")
+  print("|---|" + "---|" * len(args.batch))
+  for name in variants:
+    cells = []
+    for batch in args.batch:
+      r = results[batch][name]
+      share = "-" if name.startswith("baseline") else f"{100 * r['share']:.1f}%"
+      cells.append(f"{1e3 * r['median_s']:.1f}, {share}")
+    print(f"| {name} | " + " | ".join(cells) + " |")
 
   transforms = {
       "stale_gradients(1)": sp.optim.stale_gradients(1).init,
@@ -137,8 +151,8 @@ def main():
   for name, init in transforms.items():
     memory[name] = state_bytes_per_param(init, params)
     print(f"| {name} | {memory[name]:.2f} |")
-  print(json.dumps({"params": num_params, "batch": args.batch,
-                    "steps": results, "bytes_per_param": memory}))
+  print(json.dumps({"params": num_params, "steps": results,
+                    "bytes_per_param": memory}))
 
 
 if __name__ == "__main__":
