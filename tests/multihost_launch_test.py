@@ -3,7 +3,8 @@
 Each process has 4 emulated CPU devices and talks over gloo; together they
 form the same ('data', 'stage') = (2, 4) mesh as one process with 8 devices.
 Each loads only its data replica's shard, checkpoints collectively, and
-the final parameters must equal the single-process run's bit for bit.
+the final parameters must equal the single-process run's bit for bit, also
+when the two-process run stops half way and resumes from its checkpoint.
 """
 
 import os
@@ -39,23 +40,29 @@ def _params(workdir) -> dict[str, np.ndarray]:
     return dict(f)
 
 
-@pytest.mark.slow
-def test_two_processes_match_one(tmp_path):
-  single, multi = tmp_path / "single", tmp_path / "multi"
+def _two_processes(workdir, *flags):
   port = _free_port()
   procs = [subprocess.Popen(
-      [sys.executable, "launch.py", *FLAGS, f"--workdir={multi}",
+      [sys.executable, "launch.py", *FLAGS, *flags, f"--workdir={workdir}",
        f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2",
        f"--process_id={i}"], cwd=ROOT, env=_env(4), stdout=subprocess.PIPE,
       stderr=subprocess.PIPE, text=True) for i in range(2)]
-  one = subprocess.run([sys.executable, "launch.py", *FLAGS,
-                        f"--workdir={single}"], cwd=ROOT, env=_env(8),
-                       capture_output=True, text=True, timeout=300)
   outs = [p.communicate(timeout=300) for p in procs]
   for p, (_, err) in zip(procs, outs):
     assert p.returncode == 0, err[-3000:]
+
+
+@pytest.mark.slow
+def test_two_processes_match_one_also_across_a_resume(tmp_path):
+  single, multi = tmp_path / "single", tmp_path / "multi"
+  one = subprocess.run([sys.executable, "launch.py", *FLAGS,
+                        f"--workdir={single}"], cwd=ROOT, env=_env(8),
+                       capture_output=True, text=True, timeout=300)
   assert one.returncode == 0, one.stderr[-3000:]
+  _two_processes(multi, "--config.num_steps=12")  # stops half way ...
+  _two_processes(multi)  # ... and resumes from its checkpoint to 24
   assert "num_processes" in (multi / "summary.json").read_text()
+  assert '"resumed_from_step": 12' in (multi / "summary.json").read_text()
   want, got = _params(single), _params(multi)
   assert want.keys() == got.keys()
   for key in want:

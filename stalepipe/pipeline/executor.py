@@ -192,6 +192,22 @@ class Pipeline:
             for k, v in state.params.items()}
     return self._param_packing.unpack_all(flat)
 
+  def abstract_state(self, stage_params: Sequence[Any], inputs,
+                     targets) -> PipelineState:
+    """The state's structure after a step, computing nothing.
+
+    Shapes, dtypes and shardings of every leaf (`jax.ShapeDtypeStruct`), e.g.
+    to restore a checkpoint into; `inputs` and `targets` are laid out as for
+    `step` (only their shapes matter).
+    """
+    spec = P(None, None, DATA)
+    state = self._allocate(self.init(stage_params),
+                           self._put_local(inputs, spec),
+                           self._put_local(targets, spec))
+    return jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+        state)
+
   def step(self, state: PipelineState, inputs, targets):
     """Runs one window of the schedule.
 

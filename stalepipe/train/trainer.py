@@ -73,19 +73,6 @@ def model_kwargs(name: str, example: np.ndarray, num_classes: int
                    f"{', '.join(models.names())}")
 
 
-def abstract_state(pipe: executor.Pipeline, stage_params: Any,
-                   inputs: np.ndarray, targets: np.ndarray) -> Any:
-  """The structure of the state after a step: what a checkpoint restores to.
-
-  Found by running one throwaway window on fresh weights (tracing it instead
-  cannot place the inputs of several processes).
-  """
-  state, _ = pipe.step(pipe.init(stage_params), inputs, targets)
-  return jax.tree.map(
-      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
-      state)
-
-
 @jax.jit
 def all_finite(tree: Any) -> jax.Array:
   return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x))
@@ -170,7 +157,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
   restored, first = None, 0
   if ckpt.latest_step() is not None:
     restored = ckpt.restore(
-        abstract_state(pipe, staged.stage_params, *batch(0)), config_dict)
+        pipe.abstract_state(staged.stage_params, *batch(0)), config_dict)
     state, position = restored
     first = position["window"]
   else:
