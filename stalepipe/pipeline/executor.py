@@ -14,8 +14,10 @@ task its row of the instruction tables names (`program.py`):
   all micro-batches of a minibatch);
 - FB: forward and backward fused on the last stage;
 - update: at the end of the tick in which the stage's last backward of a
-  minibatch finishes, gradients are averaged over 'data' and the optimizer
-  steps, writing the new weight version into the stash ring.
+  minibatch finishes, the optimizer steps and writes the new weight version
+  into the stash ring; the sync policy (`stalepipe.sync`) acts around it:
+  BSP averages the gradient over 'data' first, WSP pushes and pulls wave
+  updates, SDPipe / AD-PSGD / local SGD average the new weights in groups.
 
 Every task reads the weight version the schedule's version map names, from a
 ring of R versions per stage (R: the schedule's stash depth). Activations and
@@ -81,8 +83,9 @@ class Pipeline:
     >>> staged = sp.models.split(sp.models.mlp(64, 32, 3, 10), 4)
     >>> mesh = jax.make_mesh((2, 4), ("data", "stage"))
     >>> schedule = sp.schedules.make("pipedream", num_stages=4, num_microbatches=4)
-    >>> pipe = Pipeline(staged.stage_fns, optax.softmax_cross_entropy_with_integer_labels,
-    ...                 schedule, optax.sgd(0.1), mesh)  # doctest: +SKIP
+    >>> pipe = Pipeline(staged.stage_fns, sp.models.losses.cross_entropy,
+    ...                 schedule, optax.sgd(0.1), mesh,
+    ...                 sync=sp.sync.bsp(2))  # doctest: +SKIP
     >>> state = pipe.init(staged.stage_params)  # doctest: +SKIP
     >>> state, metrics = pipe.step(state, inputs_BxMxbxD, labels_BxMxb)  # doctest: +SKIP
   """
