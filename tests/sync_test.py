@@ -228,3 +228,19 @@ def test_sdpipe_without_a_trace_averages_every_stage_of_every_iteration():
   plan = sp.sync.sdpipe(D).plan(0, 3, 4)  # stages asked in any order
   assert plan["mix_on"].tolist() == [[1] * 4] * 3
   np.testing.assert_allclose(plan["mix"], np.full((3, 4, D, D), 1 / D))
+
+
+@pytest.mark.parametrize("name,policy", _POLICIES)
+def test_observed_staleness_equals_the_oracles(name, policy):
+  kwargs = {"concurrent_minibatches": 2} if name == "hetpipe" else {}
+  schedule = sp.schedules.make(name, num_stages=S, num_microbatches=2,
+                               num_minibatches=2, **kwargs)
+  staged = _staged()
+  oracle = reference.Pipeline(staged.stage_fns, cross_entropy, schedule,
+                              optax.sgd(0.5), num_replicas=D, sync=policy())
+  state, seen = oracle.init(staged.stage_params), {}
+  for x, y in _windows(5, 2, 2):
+    state, metrics = oracle.step(state, x, y)
+    seen.update(metrics["staleness"])
+  got = sp.sync.observed_staleness(schedule, policy(), 12).max(axis=0)
+  assert [seen[p] for p in sorted(seen)] == got[:len(seen)].tolist()

@@ -173,9 +173,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
       workdir, is_writer, resume_step=None if restored is None else first * B)
   progress = metrics_lib.Progress(num_windows * B, is_writer)
   examples_per_step = M * D * b
-  static = {"bubble": schedule.bubble_fraction,
-            "staleness_mean": float(np.mean(schedule.staleness)),
-            "staleness_max": float(np.max(schedule.staleness))}
+  static = {"bubble": schedule.bubble_fraction}
+  # [replicas, minibatches]: what each forward missed, sync policy included.
+  observed = sync_lib.observed_staleness(schedule, pipe.sync, num_windows * B)
 
   def check(window, step_metrics):
     """Stops on a NaN/inf loss; the broken state is never saved."""
@@ -215,8 +215,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
           # Whatever else the executor measures (e.g. num_losses) goes too.
           record = {k: float(v) for k, v in step_metrics.items()
                     if np.ndim(v) == 0}
+          seen = observed[:, (window - 1) * B:window * B]
           record.update(loss=loss, steps_per_s=rate,
                         examples_per_s=rate * examples_per_step, **static,
+                        staleness_mean=float(seen.mean()),
+                        staleness_max=float(seen.max()),
                         state_bytes=metrics_lib.tree_bytes(state),
                         **metrics_lib.memory_bytes())
           if config.eval_every and window % config.eval_every == 0:
