@@ -1,4 +1,7 @@
-r"""BSP: GPipe pipelines, gradients all-reduced across replicas each update.
+r"""BSP: pure data parallelism, 8 replicas all-reducing every gradient.
+
+The synchronous baseline of the papers (Horovod / All-Reduce): the same mesh
+as configs/pipesgd.py without its one-step-stale gradients.
 
 Run:
   python launch.py --config=configs/bsp.py --workdir=runs/bsp
@@ -19,4 +22,6 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config = default.get_config(arg)
   config.schedule = "gpipe"
   config.sync = "bsp"
+  config.num_stages, config.num_replicas = 1, 8
+  config.num_microbatches = 1
   return config

@@ -23,6 +23,5 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.num_microbatches = 1  # HetPipe pipelines whole minibatches
   config.microbatch_size = 32
   config.sync = "wsp"
-  config.sync_kwargs = ml_collections.ConfigDict(
-      {"clock_distance": 0, "concurrent_minibatches": 4})
+  config.sync_kwargs = ml_collections.ConfigDict({"clock_distance": 0})
   return config

@@ -12,14 +12,10 @@ References:
 
 import ml_collections
 
-from configs import default
+from configs import bsp
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-  config = default.get_config(arg)
-  config.num_stages = 1
-  config.num_replicas = 8
-  config.num_microbatches = 1
-  config.microbatch_size = 8
+  config = bsp.get_config(arg)  # 8 data-parallel replicas, all-reduce
   config.transforms = (("stale_gradients", {"delay": 1}),)
   return config

@@ -6,7 +6,7 @@ Model/data variants as in configs/default.py, e.g.
 `configs/sapipe.py:variant=vgg_digits`.
 
 References:
-  SAPipe, seed 004 (§4.2 eq. 1: full-matrix delay compensation, adaptive
+  SAPipe, seed 004 (§3.2 eq. 1: full-matrix delay compensation, adaptive
   lambda); the gradient is compensated for the stash it was computed on.
 """
 
@@ -19,6 +19,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config = default.get_config(arg)
   config.schedule = "pipedream"
   config.transforms = (
+      # delay=0: the executor passes the stash each gradient was computed on
+      # as stale_params, so the transform keeps no history of its own.
       ("delay_compensation", {"lam": 0.2, "form": "full",
-                              "adaptive": "current"}),)
+                              "adaptive": "current", "delay": 0}),)
   return config

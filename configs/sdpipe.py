@@ -8,7 +8,7 @@ Model/data variants as in configs/default.py, e.g.
 References:
   Miao et al, SDPipe: A Semi-Decentralized Framework for Heterogeneity-aware
   Pipeline-parallel Training, VLDB 2023, seed 002 (§4 group scheduling,
-  §5 Adam variance correction).
+  §4 Adam variance correction).
 """
 
 import ml_collections
@@ -20,7 +20,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config = default.get_config(arg)
   config.schedule = "1f1b"
   config.sync = "sdpipe"
-  config.transforms = (
-      ("scale_by_variance_reduced_adam", {"num_workers": 2}),)
+  config.transforms = (  # num_workers: the trainer's num_replicas
+      ("scale_by_variance_reduced_adam", {}),)
   config.optimizer = "sgd"  # here only the learning-rate scaling
   return config

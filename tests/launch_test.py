@@ -42,7 +42,9 @@ def test_default_launch_trains_to_90_percent(tmp_path):
     (["--config.no_such_key=1"], "unknown config key 'no_such_key'"),
     (["--config.num_replicas=4"], "4 x 4 = 16 devices does not fit the 8"),
     (["--config.num_stages=6", "--config.num_replicas=1"],
-     "num_stages=6 does not fit the model's 4 blocks; valid: 1 to 4"),
+     "num_stages=6 does not fit a model of 4 blocks; valid: 1 to 4"),
+    (["--config.minibatches_per_window=3"],
+     "num_steps=4 is not a multiple of minibatches_per_window=3"),
 ])
 def test_bad_input_exits_with_one_line(tmp_path, args, expected):
   result = _launch(*args, "--config.num_steps=4", workdir=tmp_path)

@@ -98,14 +98,21 @@ class Pipeline:
                        f"valid: ({DATA!r}, {STAGE!r})")
     if len(stage_fns) != schedule.num_stages:
       raise ValueError(f"{len(stage_fns)} stage functions do not fit a "
-                       f"schedule of {schedule.num_stages} stages")
+                       f"schedule of {schedule.num_stages} stages; valid: "
+                       f"{schedule.num_stages}")
     if mesh.shape[STAGE] != schedule.num_stages:
       raise ValueError(f"mesh 'stage' size {mesh.shape[STAGE]} does not fit "
                        f"{schedule.num_stages} stages; valid: equal sizes")
     sync = sync or sync_lib.bsp(mesh.shape[DATA])
     if sync.num_replicas != mesh.shape[DATA]:
       raise ValueError(f"sync policy over {sync.num_replicas} replicas does not "
-                       f"fit the mesh's {mesh.shape[DATA]} data replicas")
+                       f"fit the mesh's {mesh.shape[DATA]} data replicas; "
+                       f"valid: {mesh.shape[DATA]}")
+    concurrent = schedule.options.get("concurrent_minibatches")
+    if sync.wave and concurrent is not None and sync.wave != concurrent:
+      raise ValueError(f"WSP waves of {sync.wave} minibatches do not fit the "
+                       f"schedule's concurrent_minibatches={concurrent}; "
+                       "valid: equal (a wave is N_m minibatches)")
     self.stage_fns = tuple(stage_fns)
     self.loss_fn = loss_fn
     self.schedule = schedule
@@ -146,7 +153,8 @@ class Pipeline:
     """Packs S stage pytrees (and their optimizer states) onto the mesh."""
     if len(stage_params) != len(self.stage_fns):
       raise ValueError(f"{len(stage_params)} stage parameter trees do not fit "
-                       f"{len(self.stage_fns)} stages")
+                       f"{len(self.stage_fns)} stages; valid: "
+                       f"{len(self.stage_fns)}")
     opt_states = [self.optimizer.init(p) for p in stage_params]
     self._param_packing = packing.Packing(stage_params)
     self._opt_packing = packing.Packing(opt_states)
@@ -197,11 +205,12 @@ class Pipeline:
 
   def abstract_state(self, stage_params: Sequence[Any], inputs,
                      targets) -> PipelineState:
-    """The state's structure after a step, computing nothing.
+    """The state's structure after a step, without running one.
 
     Shapes, dtypes and shardings of every leaf (`jax.ShapeDtypeStruct`), e.g.
     to restore a checkpoint into; `inputs` and `targets` are laid out as for
-    `step` (only their shapes matter).
+    `step` (only their shapes matter). It places a zero state on the devices
+    to read the shardings from, so it briefly takes a state's memory.
     """
     spec = P(None, None, DATA)
     state = self._allocate(self.init(stage_params),
@@ -227,8 +236,13 @@ class Pipeline:
       whose forward reached the last stage in this window (NaN if none did),
       and `num_losses`, their count.
     """
+    if self._param_packing is None:
+      raise ValueError("step() before init(); valid: state = pipe.init("
+                       "stage_params), then pipe.step(state, ...)")
     B, M = self.schedule.num_minibatches, self.schedule.num_microbatches
-    local_replicas = self.num_replicas // jax.process_count()
+    local_replicas = sum(  # replica rows holding a device of this process
+        any(d.process_index == jax.process_index() for d in row)
+        for row in self.mesh.devices)
     for name, array in (("inputs", inputs), ("targets", targets)):
       if np.shape(array)[:2] != (B, M) or np.shape(array)[2] % local_replicas:
         raise ValueError(

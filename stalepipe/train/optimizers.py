@@ -26,13 +26,16 @@ TRANSFORMS = ("stale_gradients", "delay_compensation", "scale_by_staleness",
 
 
 def make(transforms: Sequence[tuple[str, dict[str, Any]]], optimizer: str,
-         optimizer_kwargs: dict[str, Any]) -> optax.GradientTransformation:
+         optimizer_kwargs: dict[str, Any],
+         num_replicas: int = 1) -> optax.GradientTransformation:
   """Chains the named `stalepipe.optim` transforms before `optax.<optimizer>`.
 
   Args:
     transforms: `(name, kwargs)` pairs, names from `TRANSFORMS`.
     optimizer: an optax alias such as `sgd`, `adam`, `adamw`.
     optimizer_kwargs: its keyword arguments.
+    num_replicas: the data replicas; `scale_by_variance_reduced_adam`'s
+      `num_workers` (SDPipe's N) defaults to it.
 
   Returns:
     The optimizer; `optax.GradientTransformationExtraArgs` when transforms
@@ -62,6 +65,9 @@ def make(transforms: Sequence[tuple[str, dict[str, Any]]], optimizer: str,
     if name not in TRANSFORMS:
       raise ValueError(f"unknown transform {name!r}; valid: "
                        f"{', '.join(TRANSFORMS)}")
-    chain.append(getattr(optim, name)(**dict(kwargs)))
+    kwargs = dict(kwargs)
+    if name == "scale_by_variance_reduced_adam":
+      kwargs.setdefault("num_workers", num_replicas)
+    chain.append(getattr(optim, name)(**kwargs))
   base = factory(**dict(optimizer_kwargs))
   return optax.chain(*chain, base) if chain else base

@@ -50,6 +50,11 @@ def make_mesh(num_replicas: int, num_stages: int) -> jax.sharding.Mesh:
         f"{need} devices does not fit the {len(devices)} "
         f"{devices[0].platform.upper()} devices here; valid: at most "
         f"{len(devices)}")
+  if jax.process_count() > 1 and need != len(devices):
+    raise ValueError(
+        f"mesh num_replicas x num_stages = {need} devices leaves some of the "
+        f"{jax.process_count()} processes without a device; valid: exactly "
+        f"{len(devices)} (all devices of all processes)")
   return jax.make_mesh((num_replicas, num_stages),
                        (executor.DATA, executor.STAGE), devices=devices[:need])
 
@@ -75,6 +80,7 @@ def model_kwargs(name: str, example: np.ndarray, num_classes: int
 
 @jax.jit
 def all_finite(tree: Any) -> jax.Array:
+  """Whether every element of every leaf is finite (no NaN, no inf)."""
   return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x))
                             for x in jax.tree.leaves(tree)]))
 
@@ -133,11 +139,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
   loss_fn = LOSSES[config.loss]
   blocks = models.make(config.model, seed=config.seed, **config.model_kwargs,
                        **model_kwargs(config.model, x_test[0], num_classes))
-  boundaries = tuple(config.stage_boundaries) or S
-  if isinstance(boundaries, int) and not 1 <= boundaries <= len(blocks):
-    raise ValueError(f"num_stages={boundaries} does not fit the model's "
-                     f"{len(blocks)} blocks; valid: 1 to {len(blocks)}")
-  staged = models.split(blocks, boundaries)
+  staged = models.split(blocks, tuple(config.stage_boundaries) or S)
   if len(staged.stage_fns) != S:
     raise ValueError(f"stage_boundaries {config.stage_boundaries} give "
                      f"{len(staged.stage_fns)} stages; valid: "
@@ -145,8 +147,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
   schedule = schedules.make(config.schedule, num_stages=S, num_microbatches=M,
                             num_minibatches=B, **config.schedule_kwargs)
   optimizer = optimizers.make(config.transforms, config.optimizer,
-                              config.optimizer_kwargs)
-  sync = sync_lib.make(config.sync, num_replicas=D, **config.sync_kwargs)
+                              config.optimizer_kwargs, num_replicas=D)
+  sync_kwargs = dict(config.sync_kwargs)
+  if config.sync == "wsp":  # a wave is the schedule's N_m minibatches
+    sync_kwargs.setdefault("concurrent_minibatches",
+                           schedule.options.get("concurrent_minibatches", 1))
+  sync = sync_lib.make(config.sync, num_replicas=D, **sync_kwargs)
   pipe = executor.Pipeline(staged.stage_fns, loss_fn, schedule, optimizer,
                            mesh, sync=sync)
   model_fn = jax.jit(models.unpipelined(staged))
@@ -164,7 +170,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
     state = pipe.init(staged.stage_params)
 
   # Metrics.
-  num_windows = max(1, config.num_steps // B)
+  if config.num_steps < B or config.num_steps % B:
+    raise ValueError(f"num_steps={config.num_steps} is not a multiple of "
+                     f"minibatches_per_window={B}; valid: a positive multiple "
+                     f"of {B}")
+  num_windows = config.num_steps // B
   if is_writer:
     os.makedirs(workdir, exist_ok=True)
     with open(os.path.join(workdir, "config.json"), "w") as f:
