@@ -14,11 +14,19 @@ Examples:
 import math
 
 
+_COUNTS = ("num_stages", "num_microbatches", "concurrent_minibatches")
+
+
 def _check(**values: int) -> None:
+  """Counts must be >= 1, other arguments >= 0, and a stage below S."""
   for name, value in values.items():
-    if not isinstance(value, int) or value < 0:
+    low = 1 if name in _COUNTS else 0
+    if not isinstance(value, int) or value < low:
       raise ValueError(f"{name}={value!r} is invalid; it must be an integer "
-                       ">= 0")
+                       f">= {low}")
+  if "stage" in values and values["stage"] >= values["num_stages"]:
+    raise ValueError(f"stage={values['stage']} is invalid; valid: 0 to "
+                     f"{values['num_stages'] - 1}")
 
 
 def gpipe_bubble(num_stages: int, num_microbatches: int) -> float:
@@ -30,6 +38,7 @@ def gpipe_bubble(num_stages: int, num_microbatches: int) -> float:
     Huang et al, GPipe: Efficient Training of Giant Neural Networks using
     Pipeline Parallelism <https://arxiv.org/abs/1811.06965>, 2019
   """
+  _check(num_stages=num_stages, num_microbatches=num_microbatches)
   return (num_stages - 1) / (num_microbatches + num_stages - 1)
 
 

@@ -213,6 +213,8 @@ def test_bad_policies_are_rejected():
     sp.sync.wsp(2, -1, 2)
   with pytest.raises(ValueError, match="delays of shape"):
     sp.sync.wsp(2, 1, 2, delays=[[0, 2]])
+  with pytest.raises(ValueError, match=r"delays of shape \(0,\)"):
+    sp.sync.wsp(2, 1, 2, delays=[])
   with pytest.raises(ValueError, match="unknown sync policy 'nope'"):
     sp.sync.make("nope", num_replicas=2)
   staged = _staged()

@@ -87,8 +87,4 @@ def split(blocks: Sequence[nnx.Module],
 
 def unpipelined(staged: Staged) -> StageFn:
   """The whole model as one function of all stages' parameters."""
-  def model_fn(stage_params, x):
-    for fn, p in zip(staged.stage_fns, stage_params):
-      x = fn(p, x)
-    return x
-  return model_fn
+  return _compose(staged.stage_fns)

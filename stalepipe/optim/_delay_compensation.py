@@ -17,6 +17,7 @@ def _wide(x: chex.Array) -> chex.Array:
 
 
 def check_form(form: str, adaptive: Optional[str]) -> None:
+  """Raises a one-line ValueError for an unknown `form` or `adaptive`."""
   if form not in FORMS:
     raise ValueError(f"form={form!r} is invalid; valid: {FORMS}")
   if adaptive not in ADAPTIVE:

@@ -61,8 +61,7 @@ def minimal_stale_prefix(
   cum_u = np.concatenate([[0.0], np.cumsum(u)])  # cum_u[k] = u_1 + .. + u_k
   cum_b = np.concatenate([[0.0], np.cumsum(b)])
   cum_v = np.concatenate([[0.0], np.cumsum(v)])
-  for k in range(m + 1):
-    if all(cum_v[i] - cum_v[k] <= cum_b[i - 1] + cum_u[k]
-           for i in range(k + 1, m + 1)):
-      return k
-  return m
+  # k = 0 never holds (v_1 > 0 cannot fit in no time) and k = m always does.
+  return next(k for k in range(1, m + 1)
+              if all(cum_v[i] - cum_v[k] <= cum_b[i - 1] + cum_u[k]
+                     for i in range(k + 1, m + 1)))

@@ -134,6 +134,7 @@ class WeightPrediction:
     return jax.tree.map(one, self._stale_mask(tree), tree)
 
   def init(self, params: optax.Params) -> WeightPredictionState:
+    """The wrapper's buffers (zeros) and the inner optimizer's state."""
     # Fresh buffers per field (no aliasing of params), so states can be donated.
     zeros = lambda: optax.tree.zeros_like(params)  # pylint: disable=unnecessary-lambda-assignment
     delays = jax.tree.map(int, self._stale_mask(params))

@@ -47,9 +47,6 @@ class Program(NamedTuple):
   history: int  # H: earlier windows whose inputs tasks still read
   backward_width: int  # micro-batches one backward covers (M for nF1B)
 
-  def table(self, window: int) -> np.ndarray:
-    return self.tables[min(window, len(self.tables) - 1)]
-
 
 def _window_starts(schedule: Schedule, B: int, K: int) -> list[int]:
   """First tick of windows 0..K: the stage-0 forward of minibatch kB."""
@@ -130,7 +127,7 @@ def _update_reads(schedule: Schedule) -> dict[tuple[int, int], int]:
           for (s, p), u in schedule.update_ticks.items()}
 
 
-def _plan_versions(schedule: Schedule) -> tuple[dict, int]:
+def _plan_versions(schedule: Schedule, update_reads: dict) -> tuple[dict, int]:
   """Which stashed version each update overwrites, and the ring size.
 
   Each stage keeps its weight versions in a ring of R slots. When an update
@@ -145,7 +142,7 @@ def _plan_versions(schedule: Schedule) -> tuple[dict, int]:
   for t in schedule.tasks:
     key = (t.stage, schedule.task_version(t))
     reads[key] = max(reads.get(key, -1), t.tick)
-  for (s, u), v in _update_reads(schedule).items():
+  for (s, u), v in update_reads.items():
     reads[(s, v)] = max(reads.get((s, v), -1), u)
   updates = sorted((u, s) for (s, _), u in schedule.update_ticks.items())
   R = 1
@@ -232,13 +229,14 @@ def compile_program(schedule: Schedule) -> Program:
         (u, p) for (_, p), u in stream.update_ticks.items()]
     oldest = min(p - k * B for k in range(K) for tick, p in events
                  if starts[k] <= tick < starts[k + 1])
-    evict, num_versions = _plan_versions(stream)
+    update_reads = _update_reads(stream)
+    evict, num_versions = _plan_versions(stream, update_reads)
     layout = dict(
         window_minibatches=B,
         num_ticks=max(b - a for a, b in zip(starts, starts[1:])),
         num_slots=_num_slots(stream),
         history=math.ceil(max(0, -oldest) / B), evict=evict,
-        update_reads=_update_reads(stream))
+        update_reads=update_reads)
     tables = [_window_table(stream, starts, k, **layout) for k in range(K)]
     if all(np.array_equal(tables[-1], t) for t in tables[-3:-1]):
       break

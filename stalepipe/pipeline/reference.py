@@ -70,6 +70,7 @@ class Pipeline:
     self.sync = sync or sync_lib.bsp(num_replicas)
 
   def init(self, stage_params: Sequence[Any]) -> ReferenceState:
+    """Version 0 of every stage on every replica, and fresh optimizer states."""
     D = self.num_replicas
     return ReferenceState(
         versions={(d, s): (p,) for d in range(D)
@@ -82,6 +83,7 @@ class Pipeline:
         inputs={}, targets={}, window=0)
 
   def params(self, state: ReferenceState, replica: int = 0) -> tuple[Any, ...]:
+    """The latest weights of the S stages on data replica `replica`."""
     return tuple(state.versions[(replica, s)][-1]
                  for s in range(len(self.stage_fns)))
 
@@ -104,6 +106,9 @@ class Pipeline:
     for i in range(B):
       all_inputs[k * B + i] = jnp.asarray(inputs[i])
       all_targets[k * B + i] = jnp.asarray(targets[i])
+    if np.shape(inputs)[2] % D:
+      raise ValueError(f"inputs shape {np.shape(inputs)} is invalid; valid: "
+                       f"[{B}, {M}, a multiple of {D} data replicas, ...]")
     n = np.shape(inputs)[2] // D
     part = lambda x, d: x[:, d * n:(d + 1) * n]
     losses = []

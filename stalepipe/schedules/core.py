@@ -80,6 +80,7 @@ class Schedule:
     return self.versions[key]
 
   def task_version(self, task: Task) -> int:
+    """The weight version `task` reads (see `version`)."""
     return self.version(task.minibatch, task.stage, task.kind, task.microbatch)
 
   def end_tick(self, task: Task) -> int:
@@ -88,6 +89,7 @@ class Schedule:
 
   @functools.cached_property
   def num_ticks(self) -> int:
+    """Ticks from the first task's start to the last task's end."""
     return max(self.end_tick(t) for t in self.tasks)
 
   @functools.cached_property

@@ -2,6 +2,7 @@
 
 import numpy as np
 
+from stalepipe.sim import policy
 from stalepipe.sync import base
 
 
@@ -24,10 +25,9 @@ class ADPSGD(base.SyncPolicy):
 
   def mixing(self, stage: int, minibatch: int) -> np.ndarray:
     del stage
-    order = np.random.default_rng([self.seed, minibatch]).permutation(
-        self.num_replicas)
-    pairs = [order[k:k + 2] for k in range(0, len(order) - 1, 2)]
-    return base.group_mixing(pairs, self.num_replicas)
+    rng = np.random.default_rng([self.seed, minibatch])
+    return base.group_mixing(policy.random_pairs(self.num_replicas, rng),
+                             self.num_replicas)
 
 
 class LocalSGD(base.SyncPolicy):

@@ -97,10 +97,12 @@ class SDPipe(base.SyncPolicy):
       self.groups.append(row)
 
   def mixing(self, stage: int, minibatch: int) -> np.ndarray:
+    """Eq. 2's `W` of the groups the scheduler formed for this iteration."""
     if stage >= self._num_stages:
       if self.ready_times is not None:
         raise ValueError(f"stage {stage} is not in ready_times of "
-                         f"{self._num_stages} stages")
+                         f"{self._num_stages} stages; valid: 0 to "
+                         f"{self._num_stages - 1}")
       self._num_stages = stage + 1  # no trace: every stage ready at once
       self._reset()
     self._schedule(minibatch)

@@ -63,13 +63,14 @@ class WSP(base.SyncPolicy):
     self.delays = None if delays is None else np.asarray(delays, np.int32)
     if self.delays is not None and (
         self.delays.ndim != 2 or self.delays.shape[1] != num_replicas
-        or self.delays.min() < 0 or self.delays.max() > clock_distance):
-      raise ValueError(f"delays of shape {self.delays.shape} and range "
-                       f"[{self.delays.min()}, {self.delays.max()}] are "
-                       f"invalid; valid: [waves, {num_replicas}] in 0.."
-                       f"{clock_distance}")
+        or not self.delays.size or self.delays.min() < 0
+        or self.delays.max() > clock_distance):
+      raise ValueError(f"delays of shape {self.delays.shape} are invalid; "
+                       f"valid: [waves >= 1, {num_replicas}] with values in "
+                       f"0..{clock_distance}")
 
   def wave_delay(self, wave: int) -> np.ndarray:
+    """The trace's delays for `wave`, or D past its end (see `SyncPolicy`)."""
     if self.delays is not None and wave < len(self.delays):
       return self.delays[wave]
     return super().wave_delay(wave)

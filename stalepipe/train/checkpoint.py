@@ -24,22 +24,30 @@ RESUMABLE_CHANGES = frozenset({"num_steps", "log_every", "eval_every",
                                "plots"})
 
 
+def _key(path) -> str:
+  """A file-name-safe key for a leaf's tree path."""
+  return re.sub(r"\W+", "_", jax.tree_util.keystr(path)).strip("_") or "leaf"
+
+
 def _flat(tree: Any) -> dict[str, Any]:
   """The non-empty leaves of `tree` by path (orbax cannot save size 0)."""
   flat = {}
   for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
     if np.prod(leaf.shape):
-      key = re.sub(r"\W+", "_", jax.tree_util.keystr(path)).strip("_")
-      flat[key or "leaf"] = leaf
+      key = _key(path)
+      if key in flat:
+        raise ValueError(f"two state leaves map to checkpoint key {key!r}; "
+                         "valid: leaf paths that differ in more than "
+                         "punctuation")
+      flat[key] = leaf
   return flat
 
 
 def _unflat(abstract: Any, flat: dict[str, Any]) -> Any:
   """`abstract`'s structure with the leaves of `flat`; size-0 leaves made."""
   def leaf(path, a):
-    key = re.sub(r"\W+", "_", jax.tree_util.keystr(path)).strip("_")
     if np.prod(a.shape):
-      return flat[key or "leaf"]
+      return flat[_key(path)]
     return jax.make_array_from_callback(
         a.shape, a.sharding, lambda index: np.zeros(a.shape, a.dtype)[index])
   return jax.tree_util.tree_map_with_path(leaf, abstract)
@@ -78,6 +86,7 @@ class Checkpointer:
             max_to_keep=keep, enable_async_checkpointing=True, create=True))
 
   def latest_step(self) -> int | None:
+    """The newest finished checkpoint's window, or None."""
     return self._manager.latest_step()
 
   def save(self, step: int, state: Any, position: dict[str, Any],

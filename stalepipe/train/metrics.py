@@ -51,9 +51,13 @@ class Writer:
     self._jsonl = open(path, "w")
     for record in self.records:
       self._jsonl.write(json.dumps(record) + "\n")
-    self._tb = tensorboardX.SummaryWriter(os.path.join(workdir, "tb"))
+    # On resume, TensorBoard drops the events logged after the checkpoint too.
+    self._tb = tensorboardX.SummaryWriter(
+        os.path.join(workdir, "tb"),
+        purge_step=None if resume_step is None else resume_step + 1)
 
   def write(self, step: int, metrics: dict[str, float]) -> None:
+    """Appends `{"step": step, **metrics}` to the JSONL and TensorBoard."""
     if not self.enabled:
       return
     record = {"step": step, **metrics}
