@@ -153,32 +153,56 @@ def enforce(groups: list[np.ndarray], starts: list[float], history,
         break
 
 
+class Scheduler:
+  """SDPipe's central scheduler: Algorithm 2 with §3.4's validation.
+
+  Per stage it keeps the groups of the last P-1 iterations; a validation that
+  would make a group wait while another stage's enforcement is still waiting
+  is skipped (deadlock prevention) and recorded.
+
+  Examples:
+    >>> sched = Scheduler(1, history=1, window=0.1)
+    >>> groups, _ = sched.decide(0, 0, np.array([0.0, 1.0]))
+    >>> [g.tolist() for g in groups]  # P=1: the two must form one group
+    [[0, 1]]
+  """
+
+  def __init__(self, num_stages: int, history: int, window: float,
+               enforce: bool = True):
+    self.window, self.enforce = window, enforce
+    self.past = [collections.deque(maxlen=history - 1)
+                 for _ in range(num_stages)]
+    self.waiting = {}  # stage -> (begin, end) of its last enforcement wait
+    self.groups = [[] for _ in range(num_stages)]  # per stage, per iteration
+    self.skipped = []  # (stage, iteration) whose validation was skipped
+
+  def decide(self, stage: int, iteration: int, ready: np.ndarray
+             ) -> tuple[list[np.ndarray], list[float]]:
+    """This iteration's groups of `stage` and when each starts averaging."""
+    groups, starts = window_groups(ready, self.window)
+    if self.enforce:
+      checked, checked_starts, begin = enforce(groups, starts,
+                                               self.past[stage], len(ready))
+      if begin is not None:
+        if any(s != stage and b <= begin < e
+               for s, (b, e) in self.waiting.items()):
+          self.skipped.append((stage, iteration))
+        else:
+          self.waiting[stage] = (begin, max(checked_starts))
+          groups, starts = checked, checked_starts
+    self.past[stage].append(groups)
+    self.groups[stage].append(groups)
+    return groups, starts
+
+
 class _SDPipeRunner(policy.Runner):
 
   def __init__(self, ctx, history, window):
     super().__init__(ctx)
-    S = ctx.cluster.num_stages
-    self.window = window
-    self.history = [collections.deque(maxlen=history - 1) for _ in range(S)]
-    self.waiting = {}  # stage -> (begin, end) of its last enforcement wait
-    self.groups = [[] for _ in range(S)]
-    self.skipped = []  # (stage, iteration) whose validation was skipped
-
-  def _blocked(self, stage: int, begin: float) -> bool:
-    return any(s != stage and b <= begin < e
-               for s, (b, e) in self.waiting.items())
+    self.scheduler = Scheduler(ctx.cluster.num_stages, history, window)
 
   def sync(self, stage, minibatch, ready):
-    N = len(ready)
-    groups, starts = window_groups(ready, self.window)
-    checked, checked_starts, begin = enforce(groups, starts,
-                                             self.history[stage], N)
-    if begin is not None:
-      if self._blocked(stage, begin):
-        self.skipped.append((stage, minibatch))
-      else:
-        self.waiting[stage] = (begin, max(checked_starts))
-        groups, starts = checked, checked_starts
+    groups, starts = self.scheduler.decide(stage, minibatch, ready)
     applied = ready.copy()
     synced, comm = [], []
     for g, t in zip(groups, starts):
@@ -189,12 +213,11 @@ class _SDPipeRunner(policy.Runner):
         applied[g] = end
       else:
         applied[g] = t
-    self.history[stage].append(groups)
-    self.groups[stage].append(groups)
     return policy.SyncOutcome(applied, tuple(synced), tuple(comm))
 
   def extras(self):
-    return {"sdpipe_groups": self.groups, "sdpipe_skipped": self.skipped}
+    return {"sdpipe_groups": self.scheduler.groups,
+            "sdpipe_skipped": self.scheduler.skipped}
 
 
 @dataclasses.dataclass(frozen=True)

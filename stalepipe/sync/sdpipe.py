@@ -13,7 +13,6 @@ Figure 3). The grouping and validation are the simulator's
 lock-step executor averages exactly the groups the simulated cluster formed.
 """
 
-import collections
 import math
 
 import numpy as np
@@ -62,11 +61,14 @@ class SDPipe(base.SyncPolicy):
     self._reset()
 
   def _reset(self):
-    self.groups = []  # [iteration][stage] -> list of member arrays
-    self.skipped = []  # (stage, iteration) whose validation was skipped
-    self._past = collections.defaultdict(
-        lambda: collections.deque(maxlen=self.history - 1))
-    self._waiting = {}  # stage -> (begin, end) of its last enforcement wait
+    self._scheduler = sdpipe_sync.Scheduler(self._num_stages, self.history,
+                                            self.window, self.enforce)
+    self._iterations = 0
+
+  @property
+  def skipped(self) -> list[tuple[int, int]]:
+    """(stage, iteration) whose validation deadlock prevention skipped."""
+    return self._scheduler.skipped
 
   def _ready(self, iteration: int) -> np.ndarray:
     if self.ready_times is not None and iteration < len(self.ready_times):
@@ -74,27 +76,12 @@ class SDPipe(base.SyncPolicy):
     return np.zeros((self._num_stages, self.num_replicas))
 
   def _schedule(self, iteration: int):
-    """Runs the scheduler up to `iteration` (Algorithm 2 with §3.4)."""
-    N, num_stages = self.num_replicas, self._num_stages
-    while len(self.groups) <= iteration:
-      k = len(self.groups)
-      ready = self._ready(k)
-      row = [None] * num_stages
-      for j in sorted(range(num_stages), key=lambda j: ready[j].min()):
-        groups, starts = sdpipe_sync.window_groups(ready[j], self.window)
-        if self.enforce:
-          checked, checked_starts, begin = sdpipe_sync.enforce(
-              groups, starts, self._past[j], N)
-          if begin is not None:
-            if any(s != j and b <= begin < e
-                   for s, (b, e) in self._waiting.items()):
-              self.skipped.append((j, k))
-            else:
-              self._waiting[j] = (begin, max(checked_starts))
-              groups = checked
-        self._past[j].append(groups)
-        row[j] = groups
-      self.groups.append(row)
+    """Runs the scheduler up to `iteration`, stages in ready order."""
+    while self._iterations <= iteration:
+      k, ready = self._iterations, self._ready(self._iterations)
+      for j in sorted(range(self._num_stages), key=lambda j: ready[j].min()):
+        self._scheduler.decide(j, k, ready[j])
+      self._iterations += 1
 
   def mixing(self, stage: int, minibatch: int) -> np.ndarray:
     """Eq. 2's `W` of the groups the scheduler formed for this iteration."""
@@ -106,7 +93,8 @@ class SDPipe(base.SyncPolicy):
       self._num_stages = stage + 1  # no trace: every stage ready at once
       self._reset()
     self._schedule(minibatch)
-    return base.group_mixing(self.groups[minibatch][stage], self.num_replicas)
+    return base.group_mixing(self._scheduler.groups[stage][minibatch],
+                             self.num_replicas)
 
 
 def sdpipe(num_replicas: int, history: int = 10, window: float = math.inf,
