@@ -7,6 +7,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from stalepipe.optim import _ordering
+
 FORMS = ("diagonal", "full")
 ADAPTIVE = (None, "ema", "current")
 
@@ -217,6 +219,9 @@ def delay_compensation(
     out = jax.tree.map(lambda g, c: jnp.where(ready, c, g), updates, compensated)
     history = state.history
     if delay:
+      # After the last read of the old history (the compensated gradient), so
+      # XLA updates the donated history in place instead of copying it twice.
+      params = _ordering.computed_after(params, out)
       history = jax.tree.map(lambda h, x: h.at[slot].set(x.astype(h.dtype)),
                              state.history, params)
     return out, DelayCompensationState(

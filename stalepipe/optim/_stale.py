@@ -7,6 +7,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from stalepipe.optim import _ordering
+
 Delay = Union[int, chex.ArrayTree, Callable[[optax.Params], chex.ArrayTree]]
 
 
@@ -100,6 +102,10 @@ def stale_gradients(delay: Delay) -> optax.GradientTransformation:
       return buf if d == 0 else buf.at[slot(d)].set(g.astype(buf.dtype))
 
     stale = jax.tree.map(emit, delays, updates, state.buffer)
+    # The update built from `stale` needs nothing of this call's gradient; a
+    # dependency on it orders the params' write after the forward pass read
+    # them, so XLA updates donated params in place instead of copying them.
+    stale = _ordering.computed_after(stale, updates)
     buffer = jax.tree.map(store, delays, updates, state.buffer)
     return stale, StaleGradientsState(
         count=optax.safe_increment(state.count), buffer=buffer)

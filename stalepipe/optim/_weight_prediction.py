@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import optax
 
 from stalepipe.optim import _delay_compensation
+from stalepipe.optim import _ordering
 from stalepipe.optim import _stale
 
 OPTIONS = (1, 2, 3)
@@ -19,22 +20,21 @@ class WeightPredictionState(NamedTuple):
   count: chex.Array  # [] int32, update calls so far (saturating).
   inner_state: optax.OptState  # the wrapped optimizer's state.
   in_flight: _stale.StaleGradientsState  # synced gradients not yet applied.
-  applied: optax.Updates  # synced gradient applied at the last call (2, 3).
-  local: optax.Updates  # this worker's latest local gradient (options 1, 3).
-  prev_local: optax.Updates  # the local gradient before that (option 3).
-  prev_params: optax.Params  # params at the last call (option 3).
+  others: optax.Updates  # option 3: G - l / n handed in at the last call.
+  ahead: optax.Updates  # the look-ahead step x_hat - x (options 1-3).
 
 
 class WeightPrediction:
   r"""An optimizer wrapper for SAPipe's 1-step stale pipeline with prediction.
 
   Each call applies the synchronised gradient handed in one call earlier
-  (PipeSGD, as `stale_gradients(1)`) through the real optimizer. Before the
-  forward pass, `predict` runs that same optimizer one step ahead with a
-  predicted gradient :math:`\hat g`, without committing its state:
-  :math:`\hat x = x + \mathrm{opt.update}(\hat g, s, x)`, an estimate of the
-  weights the gradient will be applied to. With :math:`n` workers, at call
-  :math:`t` (:math:`\ell` local, :math:`G` synchronised gradients):
+  (PipeSGD, as `stale_gradients(1)`) through the real optimizer, and runs that
+  same optimizer one step further with a predicted gradient :math:`\hat g`,
+  without committing its state: :math:`\hat x = x + \mathrm{opt.update}(\hat
+  g, s, x)`, an estimate of the weights the next gradient will be applied to.
+  `predict` hands :math:`\hat x` to the forward pass. With :math:`n` workers,
+  at iteration :math:`t` (:math:`\ell` local, :math:`G` synchronised
+  gradients):
 
   .. math::
     \hat g = \begin{cases}
@@ -50,6 +50,18 @@ class WeightPrediction:
   DC. With `mask`, only the masked leaves are stale and predicted (SAPipe
   applies both to the first k layers only); the others get the fresh
   synchronised gradient and :math:`\hat x = x`.
+
+  Fused: `update` runs the look-ahead in the same pass as the real step and
+  keeps only its result, the step :math:`\hat x - x`, so `predict` is one
+  add. Option 3's :math:`x_t - x_{t-1}` is the update returned one call
+  earlier, and the look-ahead runs at :math:`x_t` plus the update returned
+  now: both are exact when the returned updates are applied as they are
+  (`optax.apply_updates`, as below). If something else moves the params in
+  between (e.g. a gossip average), :math:`\hat x` is those params plus the
+  look-ahead step. State: the stale gradient and the look-ahead step, plus
+  :math:`G - \ell/n` for option 3 (4 or 8 bytes per float32 parameter
+  each); under `jax.jit` with the state donated, every buffer is updated in
+  place (no copies; `tests/optim_buffers_test.py`).
 
   A data-parallel training step, run per worker (e.g. under `jax.vmap` or
   `shard_map` with axis name `"data"`):
@@ -127,11 +139,17 @@ class WeightPrediction:
       return jax.tree.map(lambda _: True, tree)
     return self._mask(tree) if callable(self._mask) else self._mask
 
-  def _keep(self, tree, needed):
+  def _keep(self, tree, needed=True):
     """`tree` on stale leaves when this option needs it, else [0]-shaped."""
     def one(stale, x):
       return x if needed and stale else jnp.zeros((0,), jnp.asarray(x).dtype)
     return jax.tree.map(one, self._stale_mask(tree), tree)
+
+  def _others(self, synced, local):
+    """Option 3's :math:`G - \\ell / n` on stale leaves, [0]-shaped elsewhere."""
+    n = self._num_workers
+    return self._keep(jax.tree.map(lambda g, l: g - l / n, synced, local),
+                      self._option == 3)
 
   def init(self, params: optax.Params) -> WeightPredictionState:
     """The wrapper's buffers (zeros) and the inner optimizer's state."""
@@ -142,39 +160,19 @@ class WeightPrediction:
         count=jnp.zeros([], jnp.int32),
         inner_state=self._opt.init(params),
         in_flight=_stale.stale_gradients(delays).init(params),
-        applied=self._keep(zeros(), self._option in (2, 3)),
-        local=self._keep(zeros(), self._option in (1, 3)),
-        prev_local=self._keep(zeros(), self._option == 3),
-        prev_params=self._keep(jax.tree.map(jnp.array, params),
-                               self._option == 3))
+        others=self._others(zeros(), zeros()),
+        ahead=self._keep(zeros()))
 
-  def predicted_gradient(self, state: WeightPredictionState,
-                         params: optax.Params) -> optax.Updates:
-    """:math:`\\hat g` on the stale leaves ([0]-shaped elsewhere)."""
-    if self._option == 1:
-      return state.local
-    if self._option == 2:
-      return state.applied
-    n = self._num_workers
-    others = jax.tree.map(lambda g, l: g - l / n, state.applied, state.prev_local)
-    dx = jax.tree.map(lambda x, y: x - y, self._keep(params, True),
-                      state.prev_params)
-    compensated = _delay_compensation.compensate(others, dx, **self._dc)
-    return jax.tree.map(lambda c, l: c + l / n, compensated, state.local)
-
-  def predict(self, state: WeightPredictionState, params: optax.Params,
-              **extra_args: Any) -> optax.Params:
+  def predict(self, state: WeightPredictionState,
+              params: optax.Params) -> optax.Params:
     """The predicted weights :math:`\\hat x`; `state` is not changed."""
-    g_hat = self.predicted_gradient(state, params)
-    g_hat = jax.tree.map(
-        lambda stale, g, x: g.astype(x.dtype) if stale else jnp.zeros_like(x),
-        self._stale_mask(params), g_hat, params)
-    step, _ = self._opt.update(g_hat, state.inner_state, params, **extra_args)
-    ahead = optax.apply_updates(params, step)
     started = state.count > 0
-    return jax.tree.map(
-        lambda stale, xh, x: jnp.where(started, xh, x) if stale else x,
-        self._stale_mask(params), ahead, params)
+
+    def one(stale, x, step):
+      if not stale:
+        return x
+      return jnp.where(started, optax.apply_updates(x, step), x)
+    return jax.tree.map(one, self._stale_mask(params), params, state.ahead)
 
   def update(
       self,
@@ -185,37 +183,60 @@ class WeightPrediction:
       local_updates: Optional[optax.Updates] = None,
       **extra_args: Any,
   ) -> tuple[optax.Updates, WeightPredictionState]:
-    """Applies the gradient synchronised last call; stores this call's.
+    """Applies the gradient synchronised last call; looks one step ahead.
 
     Args:
       updates: this call's synchronised gradient :math:`G_t`.
       state: the state.
-      params: the current params :math:`x_t` (option 3 needs them).
+      params: the current params :math:`x_t`, if the optimizer needs them.
       local_updates: this worker's own gradient :math:`\\ell_t`; defaults to
         `updates` (a single worker).
-      **extra_args: passed to the wrapped optimizer.
+      **extra_args: passed to the wrapped optimizer (both steps).
 
     Returns:
       The updates to apply and the new state.
     """
-    if params is None and self._option == 3:
-      raise ValueError("WeightPrediction(option=3) needs params=; valid: the "
-                       "params the update will be applied to")
     local = updates if local_updates is None else local_updates
-    delays = jax.tree.map(int, self._stale_mask(updates))
-    applied, in_flight = _stale.stale_gradients(delays).update(
-        updates, state.in_flight)
+    stale = self._stale_mask(updates)
+    delays = jax.tree.map(int, stale)
+    applied = jax.tree.map(lambda d, g, b: b[0].astype(g.dtype) if d else g,
+                           delays, updates, state.in_flight.buffer)
+    # Stale, the new params need nothing of this call's gradient; a
+    # dependency on it orders their write after the forward pass has read
+    # the old ones (through `predict`), so XLA updates them in place.
+    applied = _ordering.computed_after(applied, updates)
     step, inner_state = self._opt.update(applied, state.inner_state, params,
                                          **extra_args)
+    if self._option == 1:
+      g_hat = local
+    elif self._option == 2:
+      g_hat = applied
+    else:
+      n = self._num_workers
+      compensated = _delay_compensation.compensate(
+          state.others, self._keep(step), **self._dc)
+      g_hat = jax.tree.map(lambda c, l: c + l / n, compensated,
+                           self._keep(local))
+    g_hat = jax.tree.map(
+        lambda s, g, x: g.astype(x.dtype) if s else jnp.zeros_like(x),
+        stale, g_hat, updates)
+    x_next = None if params is None else optax.apply_updates(params, step)
+    ahead, _ = self._opt.update(g_hat, inner_state, x_next, **extra_args)
+    ahead = self._keep(ahead)
+    # `ahead` is computed from the last reads of the old stale gradient and
+    # `others`: writing the new ones after it lets XLA reuse their donated
+    # buffers in place instead of copying each in and out.
+    updates, local = _ordering.computed_after((updates, local), ahead)
+    in_flight = _stale.StaleGradientsState(
+        optax.safe_increment(state.in_flight.count),
+        jax.tree.map(lambda d, g, b: g[None].astype(b.dtype) if d else b,
+                     delays, updates, state.in_flight.buffer))
     return step, WeightPredictionState(
         count=optax.safe_increment(state.count),
         inner_state=inner_state,
         in_flight=in_flight,
-        applied=self._keep(applied, self._option in (2, 3)),
-        local=self._keep(local, self._option in (1, 3)),
-        prev_local=state.local if self._option == 3 else state.prev_local,
-        prev_params=(self._keep(params, True) if self._option == 3
-                     else state.prev_params))
+        others=self._others(updates, local),
+        ahead=ahead)
 
   def gradient_transformation(self) -> optax.GradientTransformationExtraArgs:
     """This wrapper as a transform; its update takes `local_updates=`."""
