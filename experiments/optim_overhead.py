@@ -74,16 +74,25 @@ def time_variants(variants, params, widths, batch, repeats):
       runs[name][1], runs[name][2] = fn(*runs[name][1:], x, y)
     jax.block_until_ready(runs[name][1])
   times = {name: [] for name in variants}
+  order = list(runs)
   for _ in range(repeats):  # interleaved, so load drifts hit all alike
-    for name, run in runs.items():
+    rng.shuffle(order)  # and in a new order each round: no position bias
+    for name in order:
+      run = runs[name]
       start = time.perf_counter()
       run[1], run[2] = run[0](run[1], run[2], x, y)
       jax.block_until_ready(run[1])
       times[name].append(time.perf_counter() - start)
-  base = np.median(times["baseline (sgd momentum)"])
-  return {name: {"median_s": float(np.median(ts)),
-                 "share": float((np.median(ts) - base) / np.median(ts))}
-          for name, ts in times.items()}
+  # Share per round against the same round's baseline (pairing cancels slow
+  # drifts of the machine), then the median and quartiles over rounds.
+  base = np.asarray(times["baseline (sgd momentum)"])
+  out = {}
+  for name, ts in times.items():
+    shares = (np.asarray(ts) - base) / np.asarray(ts)
+    q1, med, q3 = np.percentile(shares, [25, 50, 75])
+    out[name] = {"median_s": float(np.median(ts)), "share": float(med),
+                 "share_q1": float(q1), "share_q3": float(q3)}
+  return out
 
 
 def main():
@@ -98,6 +107,8 @@ def main():
   sgd = lambda: optax.sgd(0.01, 0.9)  # pylint: disable=unnecessary-lambda-assignment
   variants = {
       "baseline (sgd momentum)": plain_step(sgd()),
+      "stale only (PipeSGD)": plain_step(optax.chain(
+          sp.optim.stale_gradients(1), sgd())),
       "stale + DC diagonal": plain_step(optax.chain(
           sp.optim.stale_gradients(1), sp.optim.delay_compensation(0.2),
           sgd())),
@@ -120,7 +131,9 @@ def main():
     cells = []
     for batch in args.batch:
       r = results[batch][name]
-      share = "-" if name.startswith("baseline") else f"{100 * r['share']:.1f}%"
+      share = ("-" if name.startswith("baseline") else
+               f"{100 * r['share']:.1f}% [{100 * r['share_q1']:.1f}, "
+               f"{100 * r['share_q3']:.1f}]")
       cells.append(f"{1e3 * r['median_s']:.1f}, {share}")
     print(f"| {name} | " + " | ".join(cells) + " |")
 

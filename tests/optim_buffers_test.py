@@ -53,14 +53,12 @@ def _weight_sized_copies(init, step):
 
 @pytest.mark.parametrize("option", [1, 2, 3])
 def test_weight_prediction_copies_no_buffer(option):
-  sgd = optax.sgd(0.01, 0.9)
-  base = _weight_sized_copies(*_plain(sgd))
-  wp = sp.optim.WeightPrediction(sgd, option, num_workers=4)
-  copies = _weight_sized_copies(*_predicting(wp))
+  wp = sp.optim.WeightPrediction(optax.sgd(0.01, 0.9), option,
+                                 num_workers=4)
   # Without the ordering, option 3 copies its stale gradient and G - l/n in
-  # and out (8 copies here) and the stale update copies the params.
-  assert not [name for name in copies if name.startswith("state")], copies
-  assert sum(copies.values()) <= sum(base.values()), (copies, base)
+  # and out (8 copies here) and the params (the stale step needs nothing of
+  # the gradient). Plain SGD copies one weight here; this copies none.
+  assert not _weight_sized_copies(*_predicting(wp))
 
 
 @pytest.mark.parametrize("form", ["diagonal", "full"])

@@ -18,6 +18,11 @@ def _wide(x: chex.Array) -> chex.Array:
   return x.astype(jnp.promote_types(x.dtype, jnp.float32))
 
 
+def _inner(grads: optax.Updates, dx: optax.Updates) -> chex.Array:
+  """:math:`\\langle g, \\Delta x \\rangle` over the pytree, in float32 or wider."""
+  return optax.tree.vdot(jax.tree.map(_wide, grads), jax.tree.map(_wide, dx))
+
+
 def check_form(form: str, adaptive: Optional[str]) -> None:
   """Raises a one-line ValueError for an unknown `form` or `adaptive`."""
   if form not in FORMS:
@@ -97,7 +102,7 @@ def compensate(
       g32 = _wide(g)
       return (g32 + lam_g * g32 * g32 * _wide(d)).astype(g.dtype)
   else:
-    inner = optax.tree.vdot(jax.tree.map(_wide, grads), jax.tree.map(_wide, dx))
+    inner = _inner(grads, dx)
 
     def one(g, d, lam_g):
       del d
@@ -219,9 +224,11 @@ def delay_compensation(
     out = jax.tree.map(lambda g, c: jnp.where(ready, c, g), updates, compensated)
     history = state.history
     if delay:
-      # After the last read of the old history (the compensated gradient), so
-      # XLA updates the donated history in place instead of copying it twice.
-      params = _ordering.computed_after(params, out)
+      # After the last read of the old history (the inner product of the full
+      # form, the compensated gradient of the diagonal one), so XLA updates
+      # the donated history in place instead of copying it in and out.
+      last_read = out if form == "diagonal" else _inner(updates, dx)
+      params = _ordering.computed_after(params, last_read)
       history = jax.tree.map(lambda h, x: h.at[slot].set(x.astype(h.dtype)),
                              state.history, params)
     return out, DelayCompensationState(

@@ -201,10 +201,8 @@ class WeightPrediction:
     delays = jax.tree.map(int, stale)
     applied = jax.tree.map(lambda d, g, b: b[0].astype(g.dtype) if d else g,
                            delays, updates, state.in_flight.buffer)
-    # Stale, the new params need nothing of this call's gradient; a
-    # dependency on it orders their write after the forward pass has read
-    # the old ones (through `predict`), so XLA updates them in place.
-    applied = _ordering.computed_after(applied, updates)
+    if self._option == 2:  # so that `ahead` depends on this call's gradient
+      applied = _ordering.computed_after(applied, updates)
     step, inner_state = self._opt.update(applied, state.inner_state, params,
                                          **extra_args)
     if self._option == 1:
@@ -223,10 +221,12 @@ class WeightPrediction:
     x_next = None if params is None else optax.apply_updates(params, step)
     ahead, _ = self._opt.update(g_hat, inner_state, x_next, **extra_args)
     ahead = self._keep(ahead)
-    # `ahead` is computed from the last reads of the old stale gradient and
-    # `others`: writing the new ones after it lets XLA reuse their donated
-    # buffers in place instead of copying each in and out.
+    # `ahead` is computed after the last reads of the old stale gradient,
+    # `others`, `ahead` (by `predict`, which the forward pass behind this
+    # call's gradient needed) and params: writing the new ones after it lets
+    # XLA update all of them in place instead of copying each in and out.
     updates, local = _ordering.computed_after((updates, local), ahead)
+    step = _ordering.computed_after(step, ahead)
     in_flight = _stale.StaleGradientsState(
         optax.safe_increment(state.in_flight.count),
         jax.tree.map(lambda d, g, b: g[None].astype(b.dtype) if d else b,
