@@ -1,12 +1,14 @@
 """Overhead of staleness compensation in a full jitted training step.
 
 Times, in one run and interleaved, a jitted SGD-momentum training step
-(forward + backward + update) of a >= 10M-parameter MLP without compensation
-and with: stale buffer + DC (diagonal, full), stale buffer + WP (options 1, 3).
-Reports the share of the step spent on compensation, (t - t_base) / t, and the
+(forward + backward + update, params and state donated) of a >= 10M-parameter
+MLP without compensation and with: the stale buffer alone (PipeSGD), stale
+buffer + DC (diagonal, full), stale buffer + WP (options 1, 3). Reports the
+share of the step spent on compensation, (t - t_base) / t per round against
+that round's baseline (median and quartiles over rounds), and the
 optimizer-state bytes per parameter of every transform in `stalepipe.optim`.
 
-  .venv/bin/python experiments/optim_overhead.py [--batch 64 512 2048] [--repeats 15]
+  .venv/bin/python experiments/optim_overhead.py [--batch 64 512 2048] [--repeats 25]
 
 Several batch sizes give the share as the step's compute grows: compensation
 is a few memory-bound passes over the parameters, a fixed cost per step.
