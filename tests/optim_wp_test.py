@@ -138,3 +138,39 @@ def test_spectrain_matches_formula():
 def test_bad_option_raises():
   with pytest.raises(ValueError, match="option"):
     sp.optim.WeightPrediction(optax.sgd(0.1), option=4)
+
+
+def _run(opt, grads, x, **extra):
+  state, update = opt.init(x), jax.jit(opt.update)
+  for g in grads:
+    updates, state = update(g, state, x, **extra)
+    x = optax.apply_updates(x, updates)
+  return x
+
+
+def test_works_inside_masked_multisteps_and_with_injected_inner_lr():
+  grads = [{"a": jnp.full(2, float(i)), "b": jnp.full(3, 1.0 + i)}
+           for i in range(1, 7)]
+  x = {"a": jnp.ones(2), "b": jnp.ones(3)}
+  plain = sp.optim.WeightPrediction(optax.sgd(0.1, 0.9), option=3,
+                                    num_workers=2).gradient_transformation()
+  want = _run(plain, grads, x)
+  # The inner optimizer with an injected learning rate: the look-ahead must
+  # not commit the injected state either.
+  injected = sp.optim.WeightPrediction(
+      optax.inject_hyperparams(optax.sgd)(learning_rate=0.1, momentum=0.9),
+      option=3, num_workers=2).gradient_transformation()
+  jax.tree.map(np.testing.assert_allclose, _run(injected, grads, x), want)
+  # Masked: leaf "a" alone goes through the wrapper; "b"'s gradient passes
+  # through unchanged (optax.masked), and apply_updates adds it.
+  masked = optax.masked(plain, {"a": True, "b": False})
+  got = _run(masked, grads, x)
+  a_only = _run(plain, [g["a"] for g in grads], x["a"])
+  np.testing.assert_allclose(got["a"], a_only)
+  np.testing.assert_allclose(got["b"], x["b"] + sum(g["b"] for g in grads))
+  # MultiSteps: the wrapper sees the mean of every 2 gradients, once per 2.
+  multi = optax.MultiSteps(plain, every_k_schedule=2)
+  means = [jax.tree.map(lambda u, v: (u + v) / 2, grads[i], grads[i + 1])
+           for i in range(0, len(grads), 2)]
+  jax.tree.map(np.testing.assert_allclose, _run(multi, grads, x),
+               _run(plain, means, x))
