@@ -198,9 +198,13 @@ class WeightPrediction:
     """
     local = updates if local_updates is None else local_updates
     stale = self._stale_mask(updates)
-    delays = jax.tree.map(int, stale)
-    applied = jax.tree.map(lambda d, g, b: b[0].astype(g.dtype) if d else g,
-                           delays, updates, state.in_flight.buffer)
+    ring = _stale.stale_gradients(jax.tree.map(int, stale))
+    # Read the ring directly, not through `ring.update`: its output is ordered
+    # after this call's gradient, which here would only add a reduction over
+    # it (measured: +2 points of a batch-512 step); ordering on `ahead` below
+    # does the same job.
+    applied = jax.tree.map(lambda s, g, b: b[0].astype(g.dtype) if s else g,
+                           stale, updates, state.in_flight.buffer)
     if self._option == 2:  # so that `ahead` depends on this call's gradient
       applied = _ordering.computed_after(applied, updates)
     step, inner_state = self._opt.update(applied, state.inner_state, params,
@@ -227,10 +231,7 @@ class WeightPrediction:
     # XLA update all of them in place instead of copying each in and out.
     updates, local = _ordering.computed_after((updates, local), ahead)
     step = _ordering.computed_after(step, ahead)
-    in_flight = _stale.StaleGradientsState(
-        optax.safe_increment(state.in_flight.count),
-        jax.tree.map(lambda d, g, b: g[None].astype(b.dtype) if d else b,
-                     delays, updates, state.in_flight.buffer))
+    _, in_flight = ring.update(updates, state.in_flight)
     return step, WeightPredictionState(
         count=optax.safe_increment(state.count),
         inner_state=inner_state,
