@@ -9,6 +9,7 @@ Examples:
 
 import dataclasses
 
+from stalepipe.schedules import kinds
 from stalepipe.schedules.core import KINDS, Schedule, Task
 from stalepipe.schedules.gpipe import gpipe
 from stalepipe.schedules.hetpipe import hetpipe

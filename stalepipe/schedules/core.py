@@ -18,7 +18,9 @@ from typing import Mapping, NamedTuple
 
 import numpy as np
 
-KINDS = ("F", "B", "FB")
+from stalepipe.schedules import kinds as kinds_lib
+
+KINDS = tuple(kinds_lib.KINDS)
 
 
 class Task(NamedTuple):
@@ -26,7 +28,7 @@ class Task(NamedTuple):
 
   tick: int  # first tick the task occupies
   stage: int
-  kind: str  # "F" forward, "B" backward, "FB" fused forward and backward
+  kind: str  # a name in `kinds.KINDS`: "F", "B", "FB", ...
   minibatch: int
   microbatch: int
 
@@ -45,7 +47,8 @@ class Schedule:
     num_minibatches: B, minibatches in the table.
     tasks: every task, sorted by (tick, stage).
     versions: `(minibatch, stage, kind, microbatch) -> version` for every task.
-    durations: ticks a task of each kind occupies (F and B one, FB two).
+    durations: ticks a task of each kind occupies (default: each kind's
+      declared duration, F and B one, FB two).
     options: the schedule-specific options `make` was given.
     backward_covers_minibatch: whether each stage runs one backward per
       minibatch (micro-batch 0) on the mean loss of all its micro-batches,
@@ -59,7 +62,8 @@ class Schedule:
   tasks: tuple[Task, ...]
   versions: Mapping[VersionKey, int]
   durations: Mapping[str, int] = dataclasses.field(
-      default_factory=lambda: {"F": 1, "B": 1, "FB": 2})
+      default_factory=lambda: {k.name: k.duration
+                               for k in kinds_lib.KINDS.values()})
   backward_covers_minibatch: bool = False
   options: Mapping[str, object] = dataclasses.field(default_factory=dict)
 
@@ -82,6 +86,17 @@ class Schedule:
   def task_version(self, task: Task) -> int:
     """The weight version `task` reads (see `version`)."""
     return self.version(task.minibatch, task.stage, task.kind, task.microbatch)
+
+  def kind(self, task: Task) -> kinds_lib.TaskKind:
+    """The `TaskKind` of `task`."""
+    return kinds_lib.kind(task.kind)
+
+  def covered_microbatches(self, task: Task) -> range:
+    """The micro-batches `task` works on: all of its minibatch's for a
+    backward that covers the minibatch (nF1B), else its own."""
+    if self.backward_covers_minibatch and not self.kind(task).runs_forward:
+      return range(self.num_microbatches)
+    return range(task.microbatch, task.microbatch + 1)
 
   def end_tick(self, task: Task) -> int:
     """The first tick after `task` finishes."""
@@ -110,7 +125,7 @@ class Schedule:
     """`(stage, minibatch) -> tick` at whose end the stage applies the update."""
     last = {}
     for t in self.tasks:
-      if t.kind in ("B", "FB"):
+      if self.kind(t).closes_update:
         key = (t.stage, t.minibatch)
         last[key] = max(last.get(key, -1), self.end_tick(t) - 1)
     return last
@@ -128,28 +143,29 @@ class Schedule:
     return tuple(tuple(ticks) for ticks in out)
 
   @functools.cached_property
-  def max_in_flight(self) -> tuple[int, ...]:
-    """Per stage, the most micro-batches whose activations it holds at once.
+  def held(self) -> dict[tuple[int, int, int], tuple[int, int]]:
+    """`(stage, minibatch, micro-batch) -> (first tick, end tick)` held.
 
-    A micro-batch is in flight on a stage from the start of its forward to
-    the end of the backward that consumes it (a fused FB holds it for its
-    own two ticks).
+    A micro-batch is held on a stage once, from the start of its first task
+    there (its forward) to the end of its last (the last backward task that
+    covers it), however many tasks the backward is split into.
     """
-    held = np.zeros((self.num_ticks + 1, self.num_stages), dtype=int)
-    starts = {}
+    held = {}
     for t in self.tasks:
-      if t.kind == "F":
-        starts[(t.minibatch, t.microbatch, t.stage)] = t.tick
-    for t in self.tasks:
-      if t.kind == "F":
-        continue
-      micro = (range(self.num_microbatches) if self.backward_covers_minibatch
-               else (t.microbatch,))
-      for m in micro:
-        begin = starts.get((t.minibatch, m, t.stage), t.tick)
-        held[begin, t.stage] += 1
-        held[self.end_tick(t), t.stage] -= 1
-    return tuple(int(x) for x in np.cumsum(held, axis=0).max(axis=0))
+      for m in self.covered_microbatches(t):
+        key = (t.stage, t.minibatch, m)
+        begin, end = held.get(key, (t.tick, self.end_tick(t)))
+        held[key] = (min(begin, t.tick), max(end, self.end_tick(t)))
+    return held
+
+  @functools.cached_property
+  def max_in_flight(self) -> tuple[int, ...]:
+    """Per stage, the most micro-batches it holds at once (see `held`)."""
+    count = np.zeros((self.num_ticks + 1, self.num_stages), dtype=int)
+    for (s, _, _), (begin, end) in self.held.items():
+      count[begin, s] += 1
+      count[end, s] -= 1
+    return tuple(int(x) for x in np.cumsum(count, axis=0).max(axis=0))
 
   @functools.cached_property
   def stash_depth(self) -> tuple[int, ...]:
@@ -195,7 +211,7 @@ class Schedule:
     .. math:: v = 1 + \max_{\text{backward tasks}} (p - \text{version})
     """
     return 1 + max(t.minibatch - self.task_version(t) for t in self.tasks
-                   if t.kind in ("B", "FB"))
+                   if self.kind(t).runs_backward)
 
   def validate(self) -> "Schedule":
     """Checks the dependencies and the version rule; returns the schedule.
@@ -208,6 +224,7 @@ class Schedule:
       raise ValueError(f"tasks of schedule {self.name!r} are not sorted by "
                        "(tick, stage)")
     ends, occupied = {}, {}
+    made = {}  # (minibatch, stage, micro-batch, what) -> end of its producer
     for t in self.tasks:
       if (t.kind not in KINDS or not 0 <= t.stage < S
           or not 0 <= t.minibatch < B or not 0 <= t.microbatch < M
@@ -215,52 +232,56 @@ class Schedule:
         raise ValueError(f"{t} is invalid: kind must be one of {KINDS}, "
                          f"stage < {S}, minibatch < {B}, micro-batch < {M}, "
                          "tick >= 0")
-      if t.kind == "FB" and t.stage != S - 1:
-        raise ValueError(f"{t} is invalid: only the last stage {S - 1} fuses "
-                         "F and B")
+      if self.kind(t).last_stage_only and t.stage != S - 1:
+        raise ValueError(f"{t} is invalid: only the last stage {S - 1} runs "
+                         f"{self.kind(t).description}")
       key = (t.minibatch, t.stage, t.kind, t.microbatch)
       if key in ends:
         raise ValueError(f"{t} appears twice")
       if key not in self.versions:
         raise ValueError(f"{t} has no version")
       ends[key] = self.end_tick(t)
+      for what in self.kind(t).produces:
+        for m in self.covered_microbatches(t):
+          made[(t.minibatch, t.stage, m, what)] = self.end_tick(t)
       for tick in range(t.tick, self.end_tick(t)):
         if (t.stage, tick) in occupied:
           raise ValueError(f"{t} overlaps {occupied[(t.stage, tick)]} on "
                            f"stage {t.stage} at tick {tick}")
         occupied[(t.stage, tick)] = t
 
-    def end(p, s, kinds, m):
-      for kind in kinds:
-        if (p, s, kind, m) in ends:
-          return ends[(p, s, kind, m)]
-      raise ValueError(f"schedule {self.name!r} lacks {'/'.join(kinds)} of "
-                       f"minibatch {p} micro-batch {m} on stage {s}")
+    def end(p, s, m, what):
+      if (p, s, m, what) not in made:
+        raise ValueError(f"schedule {self.name!r} lacks the task making the "
+                         f"{what} of minibatch {p} micro-batch {m} on stage "
+                         f"{s}")
+      return made[(p, s, m, what)]
 
     for p in range(B):
       for s in range(S):
         for m in range(M):
-          end(p, s, ("F", "FB"), m)
-          if not self.backward_covers_minibatch or m == 0:
-            end(p, s, ("B", "FB"), m)
+          end(p, s, m, kinds_lib.OUTPUT)
+          end(p, s, m, kinds_lib.WEIGHT_GRADIENT)
+          if s > 0:
+            end(p, s, m, kinds_lib.INPUT_COTANGENT)
     extra = set(self.versions) - set(ends)
     if extra:
       raise ValueError(f"versions name tasks that are not scheduled: "
                        f"{sorted(extra)[:3]}")
     for t in self.tasks:
-      p, s, m = t.minibatch, t.stage, t.microbatch
-      needs = []
-      if t.kind in ("F", "FB") and s > 0:
-        needs.append(("forward", s - 1, ("F",), m))
-      if t.kind == "B":
-        micro = range(M) if self.backward_covers_minibatch else (m,)
-        needs += [("forward", s, ("F", "FB"), mm) for mm in micro]
-        if s < S - 1:
-          needs.append(("backward", s + 1, ("B", "FB"), m))
-      for what, stage, kinds, mm in needs:
-        if end(p, stage, kinds, mm) > t.tick:
+      p, s, m, k = t.minibatch, t.stage, t.microbatch, self.kind(t)
+      needs = []  # (what, stage, micro-batch)
+      if k.runs_forward and s > 0:
+        needs.append((kinds_lib.OUTPUT, s - 1, m))
+      for mm in self.covered_microbatches(t):
+        if kinds_lib.INPUT in k.consumes and not k.runs_forward:
+          needs.append((kinds_lib.OUTPUT, s, mm))
+        if kinds_lib.OUTPUT_COTANGENT in k.consumes and s < S - 1:
+          needs.append((kinds_lib.INPUT_COTANGENT, s + 1, mm))
+      for what, stage, mm in needs:
+        if end(p, stage, mm, what) > t.tick:
           raise ValueError(f"{t} starts before the {what} of minibatch {p} "
-                           f"micro-batch {mm} on stage {stage} ends")
+                           f"micro-batch {mm} on stage {stage} is made")
       version, applied = self.task_version(t), self.applied(s, t.tick)
       if not 0 <= version <= applied:
         raise ValueError(f"{t} reads version {version} but stage {s} has "

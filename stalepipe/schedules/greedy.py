@@ -18,6 +18,7 @@ every schedule built here is causal.
 
 from typing import Callable, Mapping, NamedTuple
 
+from stalepipe.schedules import kinds
 from stalepipe.schedules.core import Schedule, Task
 
 
@@ -42,7 +43,6 @@ def build(name: str, num_stages: int, num_microbatches: int,
           num_minibatches: int, rules: Rules) -> Schedule:
   """Runs the list scheduler and returns the schedule it produced."""
   S, M, B = num_stages, num_microbatches, num_minibatches
-  dur = {"F": 1, "B": 1, "FB": 2}
   forwards = [(p, m) for p in range(B) for m in range(M)]
   backwards = ([(p, 0) for p in range(B)] if rules.backward_covers_minibatch
                else forwards)
@@ -97,18 +97,19 @@ def build(name: str, num_stages: int, num_microbatches: int,
       else:
         ready.sort(key=lambda r: (r[0], r[1]))
       _, _, task, version = ready[0]
-      end = tick + dur[task.kind]
+      kind = kinds.kind(task.kind)
+      end = tick + kind.duration
       key = (task.minibatch, task.microbatch, s)
       tasks.append(task)
       versions[(task.minibatch, s, task.kind, task.microbatch)] = version
       free_at[s] = end
       progressed = True
-      if task.kind in ("F", "FB"):
+      if kind.runs_forward:
         next_f[s] += 1
         f_end[key] = end
         held[s] += 1
-      if task.kind in ("B", "FB"):
-        if task.kind == "B":
+      if kind.runs_backward:
+        if not kind.runs_forward:
           next_b[s] += 1
         b_end[key] = end
         release[s].append(

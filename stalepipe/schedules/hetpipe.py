@@ -20,6 +20,7 @@ References:
 """
 
 from stalepipe.schedules import greedy
+from stalepipe.schedules import kinds
 from stalepipe.schedules.core import Schedule
 
 
@@ -86,7 +87,7 @@ def measured_global_staleness(schedule: Schedule, clock_distance: int) -> int:
                for w in range(schedule.num_minibatches // wave)]
   worst = 0
   for t in schedule.tasks:
-    if t.stage == 0 and t.microbatch == 0 and t.kind in ("F", "FB"):
+    if t.stage == 0 and t.microbatch == 0 and kinds.kind(t.kind).runs_forward:
       clock = sum(u < t.tick for u in wave_done)
       covered = max(0, clock - clock_distance) * wave
       worst = max(worst, t.minibatch - covered)

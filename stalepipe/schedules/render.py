@@ -21,26 +21,20 @@ import json
 import os
 from typing import NamedTuple, Sequence
 
-EVENT_KINDS = ("F", "B", "FB", "U", "C", "W")
+from stalepipe.schedules import kinds as kinds_lib
 
-# Forward blue, backward green, fused F+B teal, update red, communication
-# orange, wait grey: the palette of the papers' figures.
-_COLOURS = {
-    "F": "#6fa8dc",
-    "B": "#93c47d",
-    "FB": "#76b7b2",
-    "U": "#e06666",
-    "C": "#f6b26b",
-    "W": "#d9d9d9",
-}
-_NAMES = {
-    "F": "forward",
-    "B": "backward",
-    "FB": "forward+backward",
-    "U": "update",
-    "C": "communication",
-    "W": "wait",
-}
+# Besides the task kinds (`kinds.KINDS`, each with its colour), the simulator
+# draws updates red, communication orange and waits grey.
+_OTHER_MARKS = {"U": ("update", "#e06666"), "C": ("communication", "#f6b26b"),
+                "W": ("wait", "#d9d9d9")}
+_COLOURS = {**{k.name: k.colour for k in kinds_lib.KINDS.values()},
+            **{m: c for m, (_, c) in _OTHER_MARKS.items()}}
+_NAMES = {**{k.name: k.description for k in kinds_lib.KINDS.values()},
+          **{m: n for m, (n, _) in _OTHER_MARKS.items()}}
+EVENT_KINDS = tuple(_COLOURS)
+if len(EVENT_KINDS) != len(kinds_lib.KINDS) + len(_OTHER_MARKS):
+  raise ImportError("a task kind's name clashes with a renderer mark "
+                    f"{tuple(_OTHER_MARKS)}")
 # Chrome traces count in microseconds; one time unit becomes this many.
 _TRACE_SCALE = {"tick": 1000.0, "s": 1e6, "ms": 1e3, "us": 1.0}
 
@@ -92,7 +86,7 @@ def schedule_events(schedule) -> list[TimelineEvent]:
   events = []
   for t in schedule.tasks:
     label = str(t.minibatch)
-    whole = schedule.backward_covers_minibatch and t.kind == "B"
+    whole = len(schedule.covered_microbatches(t)) > 1
     if schedule.num_microbatches > 1 and not whole:
       label = f"{t.minibatch}.{t.microbatch}"
     events.append(TimelineEvent(f"stage {t.stage}", t.tick,

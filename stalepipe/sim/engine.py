@@ -39,6 +39,7 @@ from typing import NamedTuple, Sequence
 import numpy as np
 
 from stalepipe.schedules import core
+from stalepipe.schedules import kinds
 from stalepipe.sim import cluster as cluster_lib
 from stalepipe.sim import policy as policy_lib
 from stalepipe.sim import stragglers as stragglers_lib
@@ -62,16 +63,14 @@ class _Plan(NamedTuple):
 
 
 def _compile(schedule: core.Schedule, costs: cluster_lib.StageCosts) -> _Plan:
-  S, M, B = (schedule.num_stages, schedule.num_microbatches,
-             schedule.num_minibatches)
-  covers = getattr(schedule, "backward_covers_minibatch", False)
+  S, B = schedule.num_stages, schedule.num_minibatches
   tasks = schedule.tasks
   T = len(tasks)
   fwd, bwd = {}, {}
   for i, t in enumerate(tasks):
-    if t.kind in ("F", "FB"):
+    if schedule.kind(t).runs_forward:
       fwd[(t.minibatch, t.microbatch, t.stage)] = i
-    if t.kind in ("B", "FB"):
+    if kinds.INPUT_COTANGENT in schedule.kind(t).produces:
       bwd[(t.minibatch, t.microbatch, t.stage)] = i
   plan = {k: np.full(T, -1) for k in ("stage", "minibatch", "dep", "boundary",
                                       "version")}
@@ -87,19 +86,17 @@ def _compile(schedule: core.Schedule, costs: cluster_lib.StageCosts) -> _Plan:
     plan["version"][i] = v = schedule.task_version(t)
     if first_task[s, p] < 0:
       first_task[s, p], first[i] = i, True
-    if t.kind == "F":
-      base[i] = costs.forward[s]
-    elif t.kind == "B":
-      base[i] = costs.backward[s] * (M if covers else 1)
-    else:
-      base[i] = costs.forward[s] + costs.backward[s]
-    if t.kind in ("F", "FB") and s > 0:
+    kind, covered = schedule.kind(t), schedule.covered_microbatches(t)
+    base[i] = ((costs.forward[s] if kind.runs_forward else 0.0)
+               + (costs.backward[s] * len(covered) if kind.runs_backward
+                  else 0.0))
+    if kind.runs_forward and s > 0:
       dep, plan["boundary"][i], volume[i] = fwd.get((p, m, s - 1)), s - 1, 1
-    elif t.kind == "B" and s < S - 1:
+    elif kinds.OUTPUT_COTANGENT in kind.consumes and s < S - 1:
       dep, plan["boundary"][i] = bwd.get((p, m, s + 1)), s
-      volume[i] = M if covers else 1
-    elif t.kind == "B":
-      dep = fwd.get((p, M - 1 if covers else m, s))
+      volume[i] = len(covered)
+    elif not kind.runs_forward:
+      dep = fwd.get((p, covered[-1], s))
     else:  # a forward on stage 0 reads the data
       dep = -1
     if dep != -1:
@@ -107,8 +104,9 @@ def _compile(schedule: core.Schedule, costs: cluster_lib.StageCosts) -> _Plan:
         raise ValueError(f"{t} of schedule {schedule.name!r} runs before the "
                          "task whose output it needs")
       plan["dep"][i] = dep
-    if t.kind in ("B", "FB"):
+    if kind.closes_update:
       last_backward[s, p] = i
+    if kind.runs_backward:
       backward_version[s, p] = min(backward_version[s, p], v)
   trigger[last_backward[last_backward >= 0]] = True
   for s in range(S):

@@ -57,7 +57,7 @@ def observed_staleness(schedule: Schedule, policy: base.SyncPolicy,
     updates.setdefault(u, []).append((s, p))
   for tick in range(stream.num_ticks):
     for t in tasks.get(tick, ()):
-      if t.kind in ("F", "FB"):
+      if stream.kind(t).runs_forward:
         v = stream.task_version(t)
         for d in range(D):
           seen = prefixes[(d, t.stage)][v]
