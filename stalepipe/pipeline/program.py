@@ -8,8 +8,10 @@ minibatches: window k holds every task from the stage-0 forward of minibatch
 kB up to, not including, that of minibatch (k+1)B. Everything a table names is
 relative (minibatch within the window's input history, weight version as a lag
 behind the stage's latest, buffer slot as an offset from the window's first),
-so after a warm-up
-every window's table is the same and one compiled program runs them all.
+so after a warm-up every window's table is the same and one compiled program
+runs them all. Tasks are coded by kind (`stalepipe.schedules.kinds`): the
+program lists the kinds the schedule uses and the executor builds one branch
+per kind from what the kind declares.
 Everything here is NumPy and runs once, when a pipeline is built.
 """
 
@@ -19,39 +21,59 @@ from typing import NamedTuple
 import numpy as np
 
 from stalepipe.schedules import Schedule
+from stalepipe.schedules import kinds as kinds_lib
 
-IDLE, FORWARD, BACKWARD, FUSED = 0, 1, 2, 3
-KIND_CODES = {"F": FORWARD, "B": BACKWARD, "FB": FUSED}
-FIELDS = (
-    "kind",  # IDLE, FORWARD, BACKWARD or FUSED
-    "minibatch",  # index into the window's input history, [0, (H+1)B)
-    "microbatch",
-    "slot",  # buffer slot of the task's (first) micro-batch, less k*B*M mod C
-    "lag",  # the version read is `latest - lag` (latest: updates applied)
-    "recv_forward",  # slot for the activation arriving this tick, or -1
-    "recv_backward",  # slot for the cotangents arriving this tick, or -1
-    "update",  # 1: apply the minibatch's update at the end of this tick
-    "update_lag",  # the version its gradient was computed on, as a lag
-    "evict",  # the version the update overwrites, as a lag; -1: an empty slot
-    "update_minibatch",  # the updated minibatch, indexed like "minibatch"
-)
+IDLE = 0  # kind code of an idle slot; kind i of `Program.kinds` is i + 1
 _MAX_WINDOWS = 64
+
+
+class Instructions(NamedTuple):
+  """Instruction tables as named columns, each int32 `[..., T, S]`.
+
+  Row `[tick, stage]` of every column describes what that stage does in that
+  tick of a window.
+  """
+
+  kind: np.ndarray  # IDLE, or 1 + the task kind's index in Program.kinds
+  minibatch: np.ndarray  # index into the window's input history, [0, (H+1)B)
+  microbatch: np.ndarray
+  slot: np.ndarray  # buffer slot of the task's (first) micro-batch, less
+  #   k*B*M mod C
+  lag: np.ndarray  # the version read is `latest - lag`
+  ahead: np.ndarray  # `Schedule.ahead`: updates until its minibatch's update
+  since_forward: np.ndarray  # `Schedule.since_forward`
+  recv_forward: np.ndarray  # slot for the activation arriving this tick; -1
+  recv_backward: np.ndarray  # slot for the cotangents arriving this tick; -1
+  update: np.ndarray  # 1: apply the minibatch's update at the end of the tick
+  update_minibatch: np.ndarray  # the updated minibatch, as `minibatch`
+  update_lag: np.ndarray  # the version its gradient was computed on, as a lag
+  update_staleness: np.ndarray  # updates since its forward read (tau)
+  evict: np.ndarray  # the version the update overwrites, as a lag; -1: empty
+
+
+_NONE = ("recv_forward", "recv_backward", "evict")  # columns whose blank is -1
 
 
 class Program(NamedTuple):
   """A schedule compiled for the executor."""
 
-  tables: np.ndarray  # [K, T, S, len(FIELDS)] int32; window k >= K-1 uses [-1]
+  tables: Instructions  # columns [K, T, S]; window k >= K-1 uses [-1]
+  kinds: tuple[str, ...]  # the task kinds the schedule uses, in code order
   num_slots: int  # C: activation/cotangent buffer slots per stage
   num_versions: int  # R: weight versions a stage keeps (its stash ring)
   history: int  # H: earlier windows whose inputs tasks still read
   backward_width: int  # micro-batches one backward covers (M for nF1B)
 
+  def kind_code(self, name: str) -> int:
+    """The code of task kind `name` in the tables."""
+    return 1 + self.kinds.index(name)
+
 
 def _window_starts(schedule: Schedule, B: int, K: int) -> list[int]:
   """First tick of windows 0..K: the stage-0 forward of minibatch kB."""
   first = {t.minibatch: t.tick for t in schedule.tasks
-           if t.stage == 0 and t.kind in ("F", "FB") and t.microbatch == 0}
+           if t.stage == 0 and schedule.kind(t).runs_forward
+           and t.microbatch == 0}
   return [first[k * B] for k in range(K + 1)]
 
 
@@ -60,23 +82,19 @@ def _live_intervals(schedule: Schedule) -> dict[int, list]:
 
   A micro-batch's slot on stage s holds its input from the tick it arrives
   (the previous stage's forward; stage 0: its own forward) and then its
-  cotangent, until the backward that consumes them.
+  cotangent, until the last task there that covers it ends.
   """
   M = schedule.num_microbatches
-  begin, end = {}, {}
+  begin = {}
   for t in schedule.tasks:
-    if t.kind in ("F", "FB"):
+    if schedule.kind(t).runs_forward:
       begin.setdefault((t.stage, t.minibatch, t.microbatch), t.tick)
       if t.stage + 1 < schedule.num_stages:
         begin[(t.stage + 1, t.minibatch, t.microbatch)] = t.tick
-    if t.kind in ("B", "FB"):
-      micro = (range(M) if schedule.backward_covers_minibatch
-               else (t.microbatch,))
-      for m in micro:
-        end[(t.stage, t.minibatch, m)] = schedule.end_tick(t) - 1
   live = {s: [] for s in range(schedule.num_stages)}
   for (s, p, m), b in begin.items():
-    live[s].append((b, end.get((s, p, m), schedule.num_ticks), p * M + m))
+    _, end = schedule.held.get((s, p, m), (b, schedule.num_ticks + 1))
+    live[s].append((b, end - 1, p * M + m))
   return live
 
 
@@ -105,7 +123,7 @@ def _check_gradients_grouped(schedule: Schedule):
   for s in range(schedule.num_stages):
     current = None
     for t in schedule.tasks:
-      if t.stage != s or t.kind not in ("B", "FB"):
+      if t.stage != s or not schedule.kind(t).closes_update:
         continue
       if current is not None and t.minibatch != current and (
           schedule.update_ticks[(s, current)] >= t.tick):
@@ -115,19 +133,7 @@ def _check_gradients_grouped(schedule: Schedule):
       current = t.minibatch
 
 
-def _update_reads(schedule: Schedule) -> dict[tuple[int, int], int]:
-  """`(stage, update tick) -> version` the update's gradient was computed on.
-
-  Where the micro-batches of a minibatch read different versions (PipeDream
-  with M > 1), this is the oldest, that of its first backward.
-  """
-  return {(s, u): min(schedule.task_version(t) for t in schedule.tasks
-                      if t.stage == s and t.minibatch == p
-                      and t.kind in ("B", "FB"))
-          for (s, p), u in schedule.update_ticks.items()}
-
-
-def _plan_versions(schedule: Schedule, update_reads: dict) -> tuple[dict, int]:
+def _plan_versions(schedule: Schedule) -> tuple[dict, int]:
   """Which stashed version each update overwrites, and the ring size.
 
   Each stage keeps its weight versions in a ring of R slots. When an update
@@ -142,7 +148,8 @@ def _plan_versions(schedule: Schedule, update_reads: dict) -> tuple[dict, int]:
   for t in schedule.tasks:
     key = (t.stage, schedule.task_version(t))
     reads[key] = max(reads.get(key, -1), t.tick)
-  for (s, u), v in update_reads.items():
+  for (s, p), u in schedule.update_ticks.items():  # its stale_params
+    v = schedule.gradient_version(s, p)
     reads[(s, v)] = max(reads.get((s, v), -1), u)
   updates = sorted((u, s) for (s, _), u in schedule.update_ticks.items())
   R = 1
@@ -169,39 +176,40 @@ def _plan_versions(schedule: Schedule, update_reads: dict) -> tuple[dict, int]:
 
 
 def _window_table(stream: Schedule, starts: list[int], k: int, *,
-                  window_minibatches: int, num_ticks: int, num_slots: int,
-                  history: int, evict: dict, update_reads: dict) -> np.ndarray:
-  """Window k's instruction table `[num_ticks, S, len(FIELDS)]`."""
+                  kinds: tuple[str, ...], window_minibatches: int,
+                  num_ticks: int, num_slots: int, history: int,
+                  evict: dict) -> Instructions:
+  """Window k's instructions, columns `[num_ticks, S]`."""
   B, M, S = window_minibatches, stream.num_microbatches, stream.num_stages
-  col = {name: i for i, name in enumerate(FIELDS)}
-  table = np.zeros((num_ticks, S, len(FIELDS)), np.int32)
-  table[..., col["recv_forward"]] = -1
-  table[..., col["recv_backward"]] = -1
-  table[..., col["evict"]] = -1
+  table = {name: np.full((num_ticks, S), -1 if name in _NONE else 0, np.int32)
+           for name in Instructions._fields}
   for t in stream.tasks:
     if not starts[k] <= t.tick < starts[k + 1]:
       continue
-    tick = t.tick - starts[k]
+    tick, s, kind = t.tick - starts[k], t.stage, stream.kind(t)
     slot = (t.minibatch * M + t.microbatch - k * B * M) % num_slots
-    row = table[tick, t.stage]
-    row[col["kind"]] = KIND_CODES[t.kind]
-    row[col["minibatch"]] = t.minibatch - (k - history) * B
-    row[col["microbatch"]] = t.microbatch
-    row[col["slot"]] = slot
-    row[col["lag"]] = stream.applied(t.stage, t.tick) - stream.task_version(t)
+    row = {"kind": 1 + kinds.index(t.kind),
+           "minibatch": t.minibatch - (k - history) * B,
+           "microbatch": t.microbatch, "slot": slot,
+           "lag": stream.applied(s, t.tick) - stream.task_version(t),
+           "ahead": stream.ahead(t), "since_forward": stream.since_forward(t)}
+    for name, value in row.items():
+      table[name][tick, s] = value
     # Sends happen in the tick a task starts; the receiver files them then.
-    if t.kind in ("F", "FB") and t.stage + 1 < S:
-      table[tick, t.stage + 1, col["recv_forward"]] = slot
-    if t.kind in ("B", "FB") and t.stage > 0:
-      table[tick, t.stage - 1, col["recv_backward"]] = slot
+    if kind.runs_forward and s + 1 < S:
+      table["recv_forward"][tick, s + 1] = slot
+    if kinds_lib.INPUT_COTANGENT in kind.produces and s > 0:
+      table["recv_backward"][tick, s - 1] = slot
   for (s, p), u in stream.update_ticks.items():
     if starts[k] <= u < starts[k + 1]:
-      row = table[u - starts[k], s]
-      row[col["update"]] = 1
-      row[col["update_minibatch"]] = p - (k - history) * B
-      row[col["update_lag"]] = stream.applied(s, u) - update_reads[(s, u)]
-      row[col["evict"]] = evict[(s, u)]
-  return table
+      applied = stream.applied(s, u)
+      row = {"update": 1, "update_minibatch": p - (k - history) * B,
+             "update_lag": applied - stream.gradient_version(s, p),
+             "update_staleness": applied - stream.forward_version(s, p),
+             "evict": evict[(s, u)]}
+      for name, value in row.items():
+        table[name][u - starts[k], s] = value
+  return Instructions(**table)
 
 
 def compile_program(schedule: Schedule) -> Program:
@@ -229,16 +237,17 @@ def compile_program(schedule: Schedule) -> Program:
         (u, p) for (_, p), u in stream.update_ticks.items()]
     oldest = min(p - k * B for k in range(K) for tick, p in events
                  if starts[k] <= tick < starts[k + 1])
-    update_reads = _update_reads(stream)
-    evict, num_versions = _plan_versions(stream, update_reads)
+    evict, num_versions = _plan_versions(stream)
+    kinds = tuple(k for k in kinds_lib.KINDS
+                  if any(t.kind == k for t in stream.tasks))
     layout = dict(
-        window_minibatches=B,
+        kinds=kinds, window_minibatches=B,
         num_ticks=max(b - a for a, b in zip(starts, starts[1:])),
         num_slots=_num_slots(stream),
-        history=math.ceil(max(0, -oldest) / B), evict=evict,
-        update_reads=update_reads)
+        history=math.ceil(max(0, -oldest) / B), evict=evict)
     tables = [_window_table(stream, starts, k, **layout) for k in range(K)]
-    if all(np.array_equal(tables[-1], t) for t in tables[-3:-1]):
+    same = lambda a, b: all(np.array_equal(x, y) for x, y in zip(a, b))  # pylint: disable=unnecessary-lambda-assignment
+    if all(same(tables[-1], t) for t in tables[-3:-1]):
       break
     if K >= _MAX_WINDOWS:
       raise ValueError(f"schedule {schedule.name!r} does not reach a periodic "
@@ -246,9 +255,10 @@ def compile_program(schedule: Schedule) -> Program:
                        "minibatches")
     K *= 2
   first_steady = next(k for k in range(K)
-                      if all(np.array_equal(tables[-1], t) for t in tables[k:]))
+                      if all(same(tables[-1], t) for t in tables[k:]))
+  kept = tables[:first_steady + 1]
   return Program(
-      tables=np.stack(tables[:first_steady + 1]),
-      num_slots=layout["num_slots"], num_versions=num_versions,
+      tables=Instructions(*[np.stack(column) for column in zip(*kept)]),
+      kinds=kinds, num_slots=layout["num_slots"], num_versions=num_versions,
       history=layout["history"],
       backward_width=M if stream.backward_covers_minibatch else 1)

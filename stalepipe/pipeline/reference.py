@@ -4,11 +4,13 @@ Plain and obviously right, with nothing clever: every weight version ever made
 is kept, every activation and cotangent sits in a dict keyed by (replica,
 stage, minibatch, micro-batch), each task reads exactly the version the
 schedule's version map names, and data replicas are explicit, each on its
-own slice of every micro-batch. At each update the sync policy acts the way
-`stalepipe.sync` describes it: BSP averages the replicas' gradients, WSP adds
-each wave's mean update after the wave's delay, and group policies average the
-new weights with their mixing matrix. The shard_map executor must reproduce
-it.
+own slice of every micro-batch. Each task does what its kind declares
+(`stalepipe.schedules.kinds`). At each update the optimizer gets the extra
+arguments of the update-rule contract (`contract.py`), and the sync policy's
+own functions act across the replicas (`reduce_gradient` before,
+`after_update` after), run under `jax.vmap` over the explicit replicas with
+the axis name the executor's mesh uses. The shard_map executor must
+reproduce it.
 
 The oracle also tracks which updates each weight version reflects, so it
 reports every minibatch's *observed staleness*: `p - r`, with `r` the longest
@@ -25,7 +27,19 @@ import numpy as np
 import optax
 
 from stalepipe import sync as sync_lib
+from stalepipe.pipeline import contract
 from stalepipe.schedules import Schedule
+from stalepipe.schedules import kinds as kinds_lib
+
+_AXIS = "data"
+
+
+def _stack(trees):
+  return jax.tree.map(lambda *x: jnp.stack(x), *trees)
+
+
+def _unstack(tree, num):
+  return [jax.tree.map(lambda x: x[d], tree) for d in range(num)]  # pylint: disable=cell-var-from-loop
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,8 +53,7 @@ class ReferenceState:
   grads: dict  # (replica, stage, minibatch) -> accumulated gradient
   acts: dict  # (replica, stage, minibatch, micro-batch) -> the stage's input
   cots: dict  # (replica, stage, minibatch, micro-batch) -> output cotangent
-  wave_updates: dict  # (replica, stage, wave) -> the replica's own update sum
-  wave_added: frozenset  # (replica, stage, wave) whose global update is added
+  sync_states: dict  # stage -> the sync policy's state, stacked over replicas
   inputs: dict  # minibatch -> [M, D * b, ...]
   targets: dict  # minibatch -> [M, D * b, ...]
   window: int
@@ -54,7 +67,7 @@ class Pipeline:
     loss_fn: `loss_fn(y, target) -> scalar`, the mean over a micro-batch.
     schedule: the schedule of one window (its B minibatches).
     optimizer: an optax transformation, applied to each stage's parameters
-      (a `GradientTransformationExtraArgs` also gets `stale_params=`).
+      (with the extra arguments and `predict` of `contract.py`).
     num_replicas: D, data replicas; each takes its own 1/D of a micro-batch.
     sync: the sync policy across replicas; default BSP.
   """
@@ -62,12 +75,14 @@ class Pipeline:
   def __init__(self, stage_fns: Sequence[Callable], loss_fn: Callable,
                schedule: Schedule, optimizer: optax.GradientTransformation,
                num_replicas: int = 1, sync: sync_lib.SyncPolicy | None = None):
+    sync = sync or sync_lib.bsp(num_replicas)
+    contract.check(stage_fns, schedule, optimizer, sync, num_replicas)
     self.stage_fns = tuple(stage_fns)
     self.loss_fn = loss_fn
     self.schedule = schedule
     self.optimizer = optimizer
     self.num_replicas = num_replicas
-    self.sync = sync or sync_lib.bsp(num_replicas)
+    self.sync = sync
 
   def init(self, stage_params: Sequence[Any]) -> ReferenceState:
     """Version 0 of every stage on every replica, and fresh optimizer states."""
@@ -79,7 +94,9 @@ class Pipeline:
                     for s in range(len(stage_params))},
         opt_states={(d, s): self.optimizer.init(p) for d in range(D)
                     for s, p in enumerate(stage_params)},
-        grads={}, acts={}, cots={}, wave_updates={}, wave_added=frozenset(),
+        grads={}, acts={}, cots={},
+        sync_states={s: jax.vmap(self.sync.init_state)(_stack([p] * D))
+                     for s, p in enumerate(stage_params)},
         inputs={}, targets={}, window=0)
 
   def params(self, state: ReferenceState, replica: int = 0) -> tuple[Any, ...]:
@@ -95,13 +112,14 @@ class Pipeline:
     D, k = self.num_replicas, state.window
     stream = self.schedule.with_minibatches((k + 2) * B)
     first = {t.minibatch: t.tick for t in stream.tasks
-             if t.stage == 0 and t.kind in ("F", "FB") and t.microbatch == 0}
+             if t.stage == 0 and stream.kind(t).runs_forward
+             and t.microbatch == 0}
     versions = {key: list(v) for key, v in state.versions.items()}
     provenance = {key: list(v) for key, v in state.provenance.items()}
     staleness = {}  # minibatch -> most updates a forward of it missed
     opt_states = dict(state.opt_states)
     grads, acts, cots = dict(state.grads), dict(state.acts), dict(state.cots)
-    wave_updates, wave_added = dict(state.wave_updates), set(state.wave_added)
+    sync_states = dict(state.sync_states)
     all_inputs, all_targets = dict(state.inputs), dict(state.targets)
     for i in range(B):
       all_inputs[k * B + i] = jnp.asarray(inputs[i])
@@ -116,25 +134,32 @@ class Pipeline:
     for (s, p), u in stream.update_ticks.items():
       updates_at.setdefault(u, []).append((s, p))
 
+    def weights(t, d):
+      w = versions[(d, t.stage)][stream.task_version(t)]
+      if not contract.predicts(self.optimizer):
+        return w
+      return self.optimizer.predict(opt_states[(d, t.stage)], w,
+                                    ahead=stream.ahead(t),
+                                    since_forward=stream.since_forward(t))
+
     def run_task(t, d):
-      s, p = t.stage, t.minibatch
-      fn, w = self.stage_fns[s], versions[(d, s)][stream.task_version(t)]
+      s, p, kind = t.stage, t.minibatch, stream.kind(t)
+      fn, w = self.stage_fns[s], weights(t, d)
       x_of = lambda m: (part(all_inputs[p], d)[m] if s == 0
                         else acts[(d, s, p, m)])
-      if t.kind in ("F", "FB"):
+      if kind.runs_forward:
         seen = provenance[(d, s)][stream.task_version(t)]
         prefix = min(next(q for q in range(p + 1) if (e, q) not in seen)
                      for e in range(D))
         staleness[p] = max(staleness.get(p, 0), p - prefix)
-      if t.kind == "F":
+      if not kind.runs_backward:
         y = fn(w, x_of(t.microbatch))
         if s + 1 < S:
           acts[(d, s + 1, p, t.microbatch)] = y
         else:
           losses.append(self.loss_fn(y, part(all_targets[p], d)[t.microbatch]))
         return
-      micro = range(M) if stream.backward_covers_minibatch else (t.microbatch,)
-      for m in micro:
+      for m in stream.covered_microbatches(t):
         if s == S - 1:
           target = part(all_targets[p], d)[m]
           objective = lambda w, x: self.loss_fn(fn(w, x), target) / M  # pylint: disable=cell-var-from-loop
@@ -142,61 +167,52 @@ class Pipeline:
             loss, gw = jax.value_and_grad(objective)(w, x_of(m))
           else:
             loss, (gw, gx) = jax.value_and_grad(objective, (0, 1))(w, x_of(m))
-          if t.kind == "FB":
+          if kind.runs_forward:
             losses.append(loss * M)
         else:
           _, vjp = jax.vjp(fn, w, x_of(m))
-          gw, gx = vjp(cots.pop((d, s, p, m)))
+          gw, gx = vjp(cots[(d, s, p, m)])
         key = (d, s, p)
-        grads[key] = (gw if key not in grads
-                      else jax.tree.map(jnp.add, grads[key], gw))
-        if s > 0:
+        if kinds_lib.WEIGHT_GRADIENT in kind.produces:
+          grads[key] = (gw if key not in grads
+                        else jax.tree.map(jnp.add, grads[key], gw))
+        if s > 0 and kinds_lib.INPUT_COTANGENT in kind.produces:
           cots[(d, s - 1, p, m)] = gx
 
     def run_update(s, p):
-      kind = "FB" if any(t.kind == "FB" and t.stage == s
-                         for t in stream.tasks) else "B"
-      stale_version = stream.version(p, s, kind, 0)  # its first backward's
-      g = [grads.pop((d, s, p)) for d in range(D)]
+      own = [grads.pop((d, s, p)) for d in range(D)]
+      g = _unstack(jax.vmap(lambda g: self.sync.reduce_gradient(g, _AXIS),
+                            axis_name=_AXIS)(_stack(own)), D)
       seen = [provenance[(d, s)][-1] | {(d, p)} for d in range(D)]
       if self.sync.average_gradients:
-        mean = jax.tree.map(lambda *x: sum(x) / D, *g)
-        g = [mean] * D
         seen = [x | {(e, p) for e in range(D)} for x in seen]
+      current = [versions[(d, s)][-1] for d in range(D)]
       new = []
       for d in range(D):
-        current = versions[(d, s)][-1]
         kwargs = {}
-        if isinstance(self.optimizer, optax.GradientTransformationExtraArgs):
-          kwargs["stale_params"] = versions[(d, s)][stale_version]
+        if contract.takes_extra_args(self.optimizer):
+          kwargs = dict(
+              stale_params=versions[(d, s)][stream.gradient_version(s, p)],
+              staleness=(stream.update_version(s, p)
+                         - stream.forward_version(s, p)),
+              local_updates=own[d])
         upd, opt_states[(d, s)] = self.optimizer.update(
-            g[d], opt_states[(d, s)], current, **kwargs)
-        new.append(optax.apply_updates(current, upd))
-      if self.sync.wave:
+            g[d], opt_states[(d, s)], current[d], **kwargs)
+        new.append(optax.apply_updates(current[d], upd))
+      plan = {k: jnp.asarray(v[0]) for k, v in self.sync.plan(p, 1, S).items()}
+      new, sync_states[s] = jax.vmap(
+          lambda x, y, state, r: self.sync.after_update(
+              x, y, state, sync_lib.UpdateEvent(p, s, r, plan), _AXIS),
+          axis_name=_AXIS)(_stack(new), _stack(current), sync_states[s],
+                           jnp.arange(D))
+      new = _unstack(new, D)
+      if self.sync.wave and (p + 1) % self.sync.wave == 0:
         c = p // self.sync.wave
-        for d in range(D):
-          own = jax.tree.map(jnp.subtract, new[d], versions[(d, s)][-1])
-          key = (d, s, c)
-          wave_updates[key] = (own if key not in wave_updates else
-                               jax.tree.map(jnp.add, wave_updates[key], own))
-        if (p + 1) % self.sync.wave == 0:  # replica d pulls waves <= c - delay
-          for d in range(D):
-            for w in range(c + 1 - self.sync.wave_delay(c)[d]):
-              if (d, s, w) in wave_added:
-                continue
-              wave_added.add((d, s, w))
-              mean = jax.tree.map(lambda *x: sum(x) / D,
-                                  *[wave_updates[(e, s, w)] for e in range(D)])
-              new[d] = jax.tree.map(lambda a, m, o: a + m - o, new[d], mean,
-                                    wave_updates[(d, s, w)])
-              seen[d] = seen[d] | {
-                  (e, q) for e in range(D)
-                  for q in range(w * self.sync.wave, (w + 1) * self.sync.wave)}
+        for d in range(D):  # replica d now has the waves up to c - delay
+          pulled = (c - self.sync.wave_delay(c)[d] + 1) * self.sync.wave
+          seen[d] = seen[d] | {(e, q) for e in range(D) for q in range(pulled)}
       mixing = self.sync.mixing(s, p)
       if mixing is not None:
-        new = [jax.tree.map(lambda *x: sum(mixing[d, e] * x[e]  # pylint: disable=cell-var-from-loop
-                                           for e in range(D)), *new)
-               for d in range(D)]
         seen = [frozenset().union(*[seen[e] for e in range(D) if mixing[d, e]])
                 for d in range(D)]
       for d in range(D):
@@ -214,7 +230,7 @@ class Pipeline:
         versions={key: tuple(v) for key, v in versions.items()},
         provenance={key: tuple(v) for key, v in provenance.items()},
         opt_states=opt_states, grads=grads, acts=acts, cots=cots,
-        wave_updates=wave_updates, wave_added=frozenset(wave_added),
+        sync_states=sync_states,
         inputs=all_inputs, targets=all_targets,
         window=k + 1)
     loss = jnp.mean(jnp.stack(losses)) if losses else jnp.nan

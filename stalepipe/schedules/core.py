@@ -102,6 +102,37 @@ class Schedule:
     """The first tick after `task` finishes."""
     return task.tick + self.durations[task.kind]
 
+  def forward_version(self, stage: int, minibatch: int) -> int:
+    """The oldest version the forwards of `minibatch` read on `stage`."""
+    return min(v for (p, s, k, _), v in self.versions.items()
+               if p == minibatch and s == stage and kinds_lib.kind(k).runs_forward)
+
+  def gradient_version(self, stage: int, minibatch: int) -> int:
+    """The version `minibatch`'s gradient was computed on, on `stage`: that
+    of its first backward task (PipeDream with M > 1: the oldest)."""
+    return min(v for (p, s, k, _), v in self.versions.items()
+               if p == minibatch and s == stage and kinds_lib.kind(k).runs_backward)
+
+  def update_version(self, stage: int, minibatch: int) -> int:
+    """The version `minibatch`'s update is applied to (updates before it)."""
+    return self.applied(stage, self.update_ticks[(stage, minibatch)])
+
+  def ahead(self, task: Task) -> int:
+    """Updates `task`'s stage applies between the version the task reads and
+    its minibatch's own update (SpecTrain's staleness s of the stage and
+    pass)."""
+    return (self.update_version(task.stage, task.minibatch)
+            - self.task_version(task))
+
+  def since_forward(self, task: Task) -> int:
+    """Updates between the version the task's forward read and the version
+    the task reads (0 for a forward; PipeMare's tau_fwd - tau_bkwd)."""
+    forward = min(self.versions[(task.minibatch, task.stage, k, m)]
+                  for k in kinds_lib.names(lambda k: k.runs_forward)
+                  for m in self.covered_microbatches(task)
+                  if (task.minibatch, task.stage, k, m) in self.versions)
+    return self.task_version(task) - forward
+
   @functools.cached_property
   def num_ticks(self) -> int:
     """Ticks from the first task's start to the last task's end."""

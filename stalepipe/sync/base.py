@@ -10,15 +10,54 @@ update event (a stage applying a minibatch's update) it may
   and consume the global update of an earlier wave (`wave`,
   `clock_distance`, `wave_delay`; HetPipe's WSP).
 
+A policy owns that arithmetic once, as two functions over one replica's
+values with collectives over a named axis: `reduce_gradient` before the
+optimizer and `after_update` after it (with the policy's own state,
+`init_state`). The shard_map executor calls them with the mesh's 'data' axis;
+the sequential oracle calls the same functions under `jax.vmap` over its
+explicit replicas, with the same axis name.
+
 The executor runs replicas in lock step; heterogeneity enters as a trace (the
 simulator's ready times), which decides groups and how late each replica sees
 a global update. Every process must use the same plan, so plans are made on
 process 0 and broadcast with JAX's collectives (`coordinate`).
 """
 
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
-import jax
+
+
+class UpdateEvent(NamedTuple):
+  """One stage applying one minibatch's update, as one replica sees it."""
+
+  minibatch: Any  # int32 [] (or int): the minibatch's index in the stream
+  stage: Any  # int32 []: the stage
+  replica: Any  # int32 []: this replica, 0..D-1
+  plan: dict  # this minibatch's row of `SyncPolicy.plan`: mix [S, D, D],
+  #   mix_on [S], delay [D]
+
+
+def floating(x) -> bool:
+  """Whether a leaf takes part in weight arithmetic (not integer state)."""
+  return jnp.issubdtype(jnp.asarray(x).dtype, jnp.inexact)
+
+
+def mix(params, weights, axis_name: str):
+  """SDPipe eq. 1 for one replica: :math:`x \\leftarrow \\sum_d W_d x_d`.
+
+  Args:
+    params: this replica's weights (any pytree).
+    weights: `[D]`, this replica's row of the mixing matrix.
+    axis_name: the replicas' axis.
+  """
+  return jax.tree.map(
+      lambda v: jnp.einsum("d,d...->...", weights.astype(v.dtype),
+                           jax.lax.all_gather(v, axis_name))
+      if floating(v) else v, params)
 
 
 class SyncPolicy:
@@ -46,6 +85,40 @@ class SyncPolicy:
     """`W [D, D]` applied to the new weights after the update, or None."""
     del stage, minibatch
     return None
+
+  @property
+  def mixes(self) -> bool:
+    """Whether the policy ever averages weights (overrides `mixing`)."""
+    return type(self).mixing is not SyncPolicy.mixing
+
+  @property
+  def plan_is_static(self) -> bool:
+    """Whether every window's plan is the same (no mixing, no waves)."""
+    return not self.mixes and not self.wave
+
+  def init_state(self, params) -> Any:
+    """The policy's state for one replica's stage weights `params`."""
+    del params
+    return ()
+
+  def reduce_gradient(self, grads, axis_name: str):
+    """The gradient handed to the optimizer (BSP: the replicas' mean)."""
+    if self.average_gradients:
+      return jax.tree.map(lambda g: jax.lax.pmean(g, axis_name), grads)
+    return grads
+
+  def after_update(self, params, previous, state, event: UpdateEvent,
+                   axis_name: str):
+    """The weights a replica keeps after its optimizer made `params` from
+    `previous`, and the policy's new state. Default: group averaging when
+    the plan says so."""
+    del previous
+    if not self.mixes:
+      return params, state
+    on = event.plan["mix_on"][event.stage] == 1
+    weights = event.plan["mix"][event.stage, event.replica]
+    return jax.lax.cond(on, lambda: mix(params, weights, axis_name),
+                        lambda: params), state
 
   def wave_delay(self, wave: int) -> np.ndarray:
     """`[D]` in 0..clock_distance: at the end of wave `wave` each replica has

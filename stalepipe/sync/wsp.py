@@ -3,15 +3,17 @@ r"""HetPipe's Wave Synchronous Parallel, numeric side (seed 001 §5, seed 000).
 Each virtual worker (pipeline replica) applies its own updates locally at
 once. A *wave* is :math:`N_m` consecutive minibatches. When a stage applies
 the update of a wave's last minibatch it pushes the wave's aggregated update
-:math:`\tilde u_c` (one collective per wave); the parameter server's global
-update of wave :math:`c` is the mean over workers. At the end of its wave
-:math:`c` a worker pulls the global updates of waves up to :math:`c - \delta`,
-:math:`\delta \le D` (the clock distance), each replacing its own
-contribution:
+:math:`\tilde u_c` (one collective per wave). The parameter server adds every
+worker's push, :math:`w_{global} \leftarrow w_{global} + \tilde u_c` (§5; eq. 1
+sums :math:`u` over all workers with weight 1), so the global update of wave
+:math:`c` is the *sum* over workers (`server="sum"`, HetPipe, the default).
+At the end of its wave :math:`c` a worker pulls the global updates of waves up
+to :math:`c - \delta`, :math:`\delta \le D` (the clock distance), each
+replacing its own contribution:
 
 .. math::
 
-  w_{local} \leftarrow w_{local} + \frac{1}{n}\sum_{d} \tilde u^{(d)}_c
+  w_{local} \leftarrow w_{local} + \sum_{d} \tilde u^{(d)}_c
   - \tilde u_c^{(self)}.
 
 So after its wave-:math:`c` pull a worker holds the global updates of waves
@@ -21,13 +23,29 @@ time; without a trace, :math:`\delta = D` (the bound), which makes a
 minibatch's observed staleness reach
 :math:`s_{global} = (D+1)(s_{local}+1) + s_{local} - 1`. A trace (from the
 simulator: how many waves behind each worker saw each global update) replays
-smaller delays. The mean (not the sum) of the pushed updates makes
-:math:`D = 0, N_m = 1` exactly BSP for SGD.
+smaller delays. `server="mean"` averages the pushes instead,
+:math:`\frac{1}{n}\sum_d \tilde u^{(d)}_c`: not HetPipe, but the variant in
+which :math:`D = 0, N_m = 1` is exactly gradient-mean BSP for SGD.
 """
 
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from stalepipe.sync import base
+
+SERVERS = ("sum", "mean")
+
+
+class WSPState(NamedTuple):
+  """One replica's WSP state for one stage's weights."""
+
+  own: Any  # like the weights: this wave's own updates so far
+  pending: Any  # like the weights, with a leading [D+1]: the global-minus-own
+  #   update of a pushed wave not yet pulled, one slot per wave in flight
+  pending_wave: jax.Array  # int32 [D+1]: the wave in each slot; -1: empty
 
 
 class WSP(base.SyncPolicy):
@@ -37,6 +55,8 @@ class WSP(base.SyncPolicy):
     num_replicas: n, the virtual workers.
     clock_distance: D >= 0.
     concurrent_minibatches: N_m >= 1 (HetPipe's schedule option).
+    server: how the parameter server combines the workers' pushes: "sum"
+      (HetPipe, seed 001 §5) or "mean" (D=0, N_m=1 is gradient-mean BSP).
     delays: optional `[waves, n]` ints in `0..D`: at the end of its wave c,
       worker d has seen the global updates of waves up to
       `c - delays[c, d]` (a replayed trace); waves past its end use D.
@@ -50,8 +70,12 @@ class WSP(base.SyncPolicy):
   name = "wsp"
 
   def __init__(self, num_replicas: int, clock_distance: int,
-               concurrent_minibatches: int, delays=None):
+               concurrent_minibatches: int, delays=None, server: str = "sum"):
     super().__init__(num_replicas)
+    if server not in SERVERS:
+      raise ValueError(f"server={server!r} is invalid; valid: "
+                       f"{', '.join(SERVERS)}")
+    self.server = server
     for arg, value, low in (("clock_distance", clock_distance, 0),
                             ("concurrent_minibatches", concurrent_minibatches,
                              1)):
@@ -75,13 +99,50 @@ class WSP(base.SyncPolicy):
       return self.delays[wave]
     return super().wave_delay(wave)
 
+  def init_state(self, params) -> WSPState:
+    """No own updates and no pending global updates yet."""
+    slots = self.clock_distance + 1
+    return WSPState(
+        own=jax.tree.map(jnp.zeros_like, params),
+        pending=jax.tree.map(
+            lambda x: jnp.zeros((slots,) + jnp.shape(x), jnp.asarray(x).dtype),
+            params),
+        pending_wave=jnp.full((slots,), -1, jnp.int32))
+
+  def after_update(self, params, previous, state: WSPState,
+                   event: base.UpdateEvent, axis_name: str):
+    """Adds the update to the wave's own sum; at the wave's end, pushes it
+    (one collective) and adds the global updates now due (`delay` waves
+    behind, from the plan)."""
+    own = jax.tree.map(lambda o, x, y: o + (x - y) if base.floating(x) else o,
+                       state.own, params, previous)
+    combine = jax.lax.psum if self.server == "sum" else jax.lax.pmean
+
+    def end_of_wave():
+      c = event.minibatch // self.wave
+      slot = c % (self.clock_distance + 1)
+      pending = jax.tree.map(
+          lambda q, o: q.at[slot].set(combine(o, axis_name) - o)
+          if base.floating(o) else q, state.pending, own)
+      tags = state.pending_wave.at[slot].set(c)
+      due = (tags >= 0) & (tags <= c - event.plan["delay"][event.replica])
+      new = jax.tree.map(
+          lambda x, q: x + jnp.einsum("q,q...->...", due.astype(x.dtype), q)
+          if base.floating(x) else x, params, pending)
+      return new, WSPState(jax.tree.map(jnp.zeros_like, own), pending,
+                           jnp.where(due, -1, tags))
+
+    return jax.lax.cond((event.minibatch + 1) % self.wave == 0, end_of_wave,
+                        lambda: (params, state._replace(own=own)))
+
 
 def wsp(num_replicas: int, clock_distance: int, concurrent_minibatches: int,
-        delays=None) -> WSP:
+        delays=None, server: str = "sum") -> WSP:
   """WSP (see `WSP`).
 
   Examples:
     >>> wsp(2, clock_distance=1, concurrent_minibatches=4).wave
     4
   """
-  return WSP(num_replicas, clock_distance, concurrent_minibatches, delays)
+  return WSP(num_replicas, clock_distance, concurrent_minibatches, delays,
+             server)

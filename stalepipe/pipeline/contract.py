@@ -1,0 +1,58 @@
+"""The update-rule contract inside a pipeline, shared by both executors.
+
+At a stage's update of minibatch p the executors call
+
+    optimizer.update(grads, opt_state, weights, stale_params=...,
+                     staleness=..., local_updates=...)
+
+passing the extra arguments when the optimizer takes them (an
+`optax.GradientTransformationExtraArgs`, or an optimizer with `predict`):
+
+- `stale_params`: the weights p's gradient was computed on (its first
+  backward's version: `Schedule.gradient_version`);
+- `staleness`: updates the stage applied between p's forward read and this
+  update (`update_version - forward_version`, PipeMare's tau);
+- `local_updates`: this replica's own gradient; `grads` is what the sync
+  policy made of it (BSP: the replicas' mean).
+
+When the optimizer has `predict(state, weights, *, ahead, since_forward)`,
+every forward and backward reads its result instead of the stashed weights,
+with `ahead = Schedule.ahead(task)` (updates until the minibatch's own
+update: SpecTrain's s) and `since_forward = Schedule.since_forward(task)`
+(updates since the minibatch's forward read: PipeMare's tau_fwd - tau_bkwd).
+The state passed is the stage's current optimizer state.
+"""
+
+import optax
+
+
+def predicts(optimizer) -> bool:
+  """Whether tasks read `optimizer.predict(...)` instead of the stash."""
+  return callable(getattr(optimizer, "predict", None))
+
+
+def takes_extra_args(optimizer) -> bool:
+  """Whether `update` gets `stale_params`, `staleness` and `local_updates`."""
+  return (isinstance(optimizer, optax.GradientTransformationExtraArgs)
+          or predicts(optimizer))
+
+
+def check(stage_fns, schedule, optimizer, sync, num_replicas: int) -> None:
+  """Refuses, in one line each, what the executors cannot run as asked."""
+  if len(stage_fns) != schedule.num_stages:
+    raise ValueError(f"{len(stage_fns)} stage functions do not fit a "
+                     f"schedule of {schedule.num_stages} stages; valid: "
+                     f"{schedule.num_stages}")
+  if sync.num_replicas != num_replicas:
+    raise ValueError(f"sync policy over {sync.num_replicas} replicas does not "
+                     f"fit the {num_replicas} data replicas; valid: "
+                     f"{num_replicas}")
+  concurrent = schedule.options.get("concurrent_minibatches")
+  if sync.wave and concurrent is not None and sync.wave != concurrent:
+    raise ValueError(f"WSP waves of {sync.wave} minibatches do not fit the "
+                     f"schedule's concurrent_minibatches={concurrent}; "
+                     "valid: equal (a wave is N_m minibatches)")
+  if not callable(getattr(optimizer, "update", None)) or not callable(
+      getattr(optimizer, "init", None)):
+    raise ValueError(f"optimizer {optimizer!r} is invalid; valid: an optax "
+                     "transformation (init and update)")

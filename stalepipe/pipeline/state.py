@@ -1,0 +1,69 @@
+"""What a pipeline carries between windows and between ticks, as typed trees.
+
+Every leaf of `PipelineState` holds all replicas and stages: `[D, S, ...]`
+for what lives on one ('data', 'stage') device, sharded over both axes. Inside
+the shard_map program each device sees its own `[1, 1, ...]` block, which
+`local` squeezes to the per-device view the tick functions work on.
+"""
+
+from typing import Any, NamedTuple
+
+import jax
+
+from stalepipe.pipeline import packing
+
+
+class WeightRing(NamedTuple):
+  """A stage's weight versions (its stash), in a ring of R slots."""
+
+  params: packing.Flat  # dtype -> [D, S, R, L]: one packed version a slot
+  versions: jax.Array  # int32 [D, S, R]: the version in each slot; -1 empty
+  latest: jax.Array  # int32 [D, S]: updates the stage has applied
+
+
+class Buffers(NamedTuple):
+  """Per stage, C slots of micro-batches between their tasks."""
+
+  acts: jax.Array  # [D, S, C, b, A]: a stage's inputs, kept for the backward
+  cots: jax.Array  # [D, S, C, b, A]: its output cotangents, until used
+
+
+class InputHistory(NamedTuple):
+  """Earlier windows' inputs that tasks of this window still read."""
+
+  inputs: jax.Array  # [H*B, M, D*b, ...]
+  targets: jax.Array  # [H*B, M, D*b, ...]
+
+
+class PipelineState(NamedTuple):
+  """Everything a pipeline carries between windows."""
+
+  ring: WeightRing
+  opt_state: packing.Flat  # dtype -> [D, S, L_opt]: packed optimizer states
+  grads: packing.Flat  # dtype -> [D, S, L]: the minibatch being accumulated
+  buffers: Buffers | None  # None until the first step fixes the shapes
+  history: InputHistory | None  # None until the first step
+  sync: Any  # the sync policy's state (`SyncPolicy.init_state`), [D, S, ...]
+  step: jax.Array  # int32 []: windows run so far
+
+
+class TickCarry(NamedTuple):
+  """One device's view inside the tick loop: its stage on its replica."""
+
+  ring: WeightRing  # params dtype -> [R, L], versions [R], latest []
+  opt_state: packing.Flat  # dtype -> [L_opt]
+  grads: packing.Flat  # dtype -> [L]
+  buffers: Buffers  # [C, b, A] each
+  sync: Any  # the policy's state for this stage and replica
+  loss_sum: jax.Array  # float32 []: losses of micro-batches ended here
+  num_losses: jax.Array  # int32 []
+
+
+def local(tree):
+  """The per-device view of `[1, 1, ...]` blocks."""
+  return jax.tree.map(lambda v: v[0, 0], tree)
+
+
+def unlocal(tree):
+  """The inverse of `local`."""
+  return jax.tree.map(lambda v: v[None, None], tree)

@@ -1,0 +1,306 @@
+"""One tick of the shard_map executor, as pure functions a reader can follow.
+
+In order, as `tick` runs them on every device (its stage of its replica):
+
+1. `run_task`: the task the stage's row of the instruction tables names. It
+   reads the weights the task needs (`task_weights`: the version the
+   schedule's version map names, as the update rule predicts it) and the
+   micro-batch's input (`stage_input`), and runs what the task's kind
+   declares (`stalepipe.schedules.kinds`): the forward, the backward, or
+   both; it returns what it sends on (`Sends`).
+2. `exchange`: the sends move one hop along 'stage' (`ppermute`).
+3. `file_arrivals`: the receiver files them in the buffer slots its row
+   names.
+4. `apply_update`: at the end of the tick in which a stage's last
+   weight-gradient task of a minibatch ends, the sync policy reduces the
+   gradient, the optimizer steps, the policy acts on the new weights, and
+   they are written into the ring as the next version.
+
+`Stages` holds what these functions know statically (stage functions,
+layouts, the optimizer and the sync policy); `Window` holds the values that
+are fixed for a window (its inputs, plan, and where this device sits).
+"""
+
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from stalepipe import sync as sync_lib
+from stalepipe.pipeline import contract
+from stalepipe.pipeline import packing
+from stalepipe.pipeline import program as program_lib
+from stalepipe.pipeline.state import TickCarry, WeightRing
+from stalepipe.schedules import kinds as kinds_lib
+
+DATA, STAGE = "data", "stage"
+
+
+class Stages(NamedTuple):
+  """What the tick functions know statically about a pipeline."""
+
+  fns: tuple[Callable, ...]  # S stage functions f_s(params_s, x) -> y
+  loss_fn: Callable  # loss_fn(y, target) -> scalar mean
+  params: packing.Packing  # the stages' weight layouts
+  opt: packing.Packing  # the stages' optimizer-state layouts
+  optimizer: Any  # optax transformation, maybe with `predict`
+  sync: sync_lib.SyncPolicy
+  program: program_lib.Program
+  boundary: tuple  # ShapeDtypeStruct of the inputs of stages 1..S-1
+  buffer_shape: tuple[int, int]  # (b, A): one buffer row
+  buffer_dtype: Any
+  num_microbatches: int  # M
+  window_minibatches: int  # B
+  lowering: Callable  # `dispatch.LOWERINGS` entry
+
+  @property
+  def num_stages(self) -> int:
+    return len(self.fns)
+
+  @property
+  def extra_args(self) -> bool:
+    """Whether the optimizer takes the pipeline's extra update arguments."""
+    return contract.takes_extra_args(self.optimizer)
+
+  @property
+  def predicts(self) -> bool:
+    """Whether tasks read the optimizer's predicted weights."""
+    return contract.predicts(self.optimizer)
+
+
+class Window(NamedTuple):
+  """Values fixed for one window, on one device."""
+
+  inputs: jax.Array  # [(H+1)B, M, b, ...]: this and earlier windows' inputs
+  targets: jax.Array  # [(H+1)B, M, b, ...]
+  plan: dict  # the sync policy's plan, rows [(H+1)B, ...]
+  base: jax.Array  # int32 []: slot offset of this window's micro-batches
+  step: jax.Array  # int32 []: windows run before this one
+  stage: jax.Array  # int32 []: this device's stage
+  replica: jax.Array  # int32 []: this device's data replica
+
+
+class Sends(NamedTuple):
+  """What a task sends on this tick (zeros when nothing)."""
+
+  forward: jax.Array  # [b, A]: the output, to stage s+1
+  backward: jax.Array  # [W, b, A]: input cotangents, to stage s-1
+
+
+def ring_slot(versions: jax.Array, version) -> jax.Array:
+  """The ring slot holding `version`."""
+  return jnp.argmax(versions == version)
+
+
+def read_version(ring: WeightRing, lag) -> packing.Flat:
+  """The packed version `lag` updates behind the latest."""
+  slot = ring_slot(ring.versions, ring.latest - lag)
+  return {k: v[slot] for k, v in ring.params.items()}
+
+
+def task_weights(ctx: Stages, s: int, carry: TickCarry, instr) -> Any:
+  """Stage s's weights for a task: the version its row names, through the
+  optimizer's `predict` when it has one (SAPipe, SpecTrain, PipeMare)."""
+  weights = ctx.params.unpack(s, read_version(carry.ring, instr.lag))
+  if not ctx.predicts:
+    return weights
+  return ctx.optimizer.predict(ctx.opt.unpack(s, carry.opt_state), weights,
+                               ahead=instr.ahead,
+                               since_forward=instr.since_forward)
+
+
+def to_buffer(ctx: Stages, y: jax.Array) -> jax.Array:
+  """A stage boundary value as one zero-padded buffer row `[b, A]`."""
+  b, width = ctx.buffer_shape
+  y = y.reshape(b, -1).astype(ctx.buffer_dtype)
+  return jnp.pad(y, ((0, 0), (0, width - y.shape[1])))
+
+
+def from_buffer(ctx: Stages, s: int, row: jax.Array) -> jax.Array:
+  """Stage s's input (or the cotangent of stage s-1's output) from a row."""
+  shape = ctx.boundary[s - 1]
+  n = int(np.prod(shape.shape[1:]))
+  return row[:, :n].reshape(shape.shape).astype(shape.dtype)
+
+
+def stage_input(ctx: Stages, s: int, carry: TickCarry, instr, window: Window,
+                offset: int = 0) -> jax.Array:
+  """The input of the task's micro-batch `offset` (nF1B: 0..M-1)."""
+  if s == 0:
+    return window.inputs[instr.minibatch, instr.microbatch + offset]
+  slot = (instr.slot + window.base + offset) % ctx.program.num_slots
+  return from_buffer(ctx, s, carry.buffers.acts[slot])
+
+
+def no_sends(ctx: Stages) -> Sends:
+  width = ctx.program.backward_width
+  return Sends(jnp.zeros(ctx.buffer_shape, ctx.buffer_dtype),
+               jnp.zeros((width,) + ctx.buffer_shape, ctx.buffer_dtype))
+
+
+def add_losses(carry: TickCarry, total, count) -> TickCarry:
+  return carry._replace(loss_sum=carry.loss_sum + total,
+                        num_losses=carry.num_losses + count)
+
+
+def idle(ctx: Stages, carry: TickCarry, instr, window: Window):
+  del instr, window
+  return carry, no_sends(ctx)
+
+
+def forward(ctx: Stages, s: int, carry: TickCarry, instr, window: Window):
+  """F: the stage function; the output goes on, or the loss is taken."""
+  y = ctx.fns[s](task_weights(ctx, s, carry, instr),
+                 stage_input(ctx, s, carry, instr, window))
+  if s < ctx.num_stages - 1:
+    return carry, no_sends(ctx)._replace(forward=to_buffer(ctx, y))
+  loss = ctx.loss_fn(y, window.targets[instr.minibatch, instr.microbatch])
+  return add_losses(carry, loss, 1), no_sends(ctx)
+
+
+def backward(ctx: Stages, s: int, kind: kinds_lib.TaskKind, carry: TickCarry,
+             instr, window: Window):
+  """A task that produces gradients: the backward recomputes the forward
+  from the kept input, with the output's cotangent from the next stage (last
+  stage: from the loss, divided by M as the minibatch's mean). It adds the
+  weight gradient to the minibatch's and sends the input's cotangent back,
+  as far as the kind produces them."""
+  last, M = s == ctx.num_stages - 1, ctx.num_microbatches
+  weights = task_weights(ctx, s, carry, instr)
+  grads, sends, losses = None, [], jnp.zeros((), jnp.float32)
+  for w in range(ctx.program.backward_width):
+    x = stage_input(ctx, s, carry, instr, window, w)
+    if last:
+      target = window.targets[instr.minibatch, instr.microbatch + w]
+      objective = lambda p, x: ctx.loss_fn(ctx.fns[s](p, x), target) / M  # pylint: disable=cell-var-from-loop
+      # Stage 0's input may be integer (token ids): no cotangent to send.
+      argnums = (0,) if s == 0 else (0, 1)
+      value, g = jax.value_and_grad(objective, argnums)(weights, x)
+      losses = losses + value * M
+    else:
+      slot = (instr.slot + window.base + w) % ctx.program.num_slots
+      _, vjp = jax.vjp(ctx.fns[s], weights, x)
+      g = vjp(from_buffer(ctx, s + 1, carry.buffers.cots[slot]))
+    grads = g[0] if grads is None else jax.tree.map(jnp.add, grads, g[0])
+    sends.append(to_buffer(ctx, g[1]) if s > 0 else no_sends(ctx).forward)
+  if kinds_lib.WEIGHT_GRADIENT in kind.produces:
+    packed = ctx.params.pack(s, grads)
+    carry = carry._replace(grads={k: carry.grads[k] + packed[k]
+                                  for k in packed})
+  if kind.runs_forward:
+    carry = add_losses(carry, losses, ctx.program.backward_width)
+  out = no_sends(ctx)
+  if kinds_lib.INPUT_COTANGENT in kind.produces:
+    out = out._replace(backward=jnp.stack(sends))
+  return carry, out
+
+
+def run_task(ctx: Stages, s: int, kind: kinds_lib.TaskKind, carry: TickCarry,
+             instr, window: Window):
+  """Stage s runs a task of `kind`, as the kind declares."""
+  if kind.runs_backward:
+    return backward(ctx, s, kind, carry, instr, window)
+  return forward(ctx, s, carry, instr, window)
+
+
+def task_branches(ctx: Stages) -> list[list[Callable]]:
+  """`[stage][code]`: the function each stage runs for each kind code."""
+  kinds = [kinds_lib.kind(name) for name in ctx.program.kinds]
+  return [[lambda c, i, w: idle(ctx, c, i, w)]
+          + [lambda c, i, w, s=s, k=k: run_task(ctx, s, k, c, i, w)
+             for k in kinds]
+          for s in range(ctx.num_stages)]
+
+
+def exchange(ctx: Stages, sends: Sends) -> Sends:
+  """Every send moves one hop along 'stage'."""
+  S = ctx.num_stages
+  return Sends(
+      jax.lax.ppermute(sends.forward, STAGE, [(s, s + 1) for s in range(S - 1)]),
+      jax.lax.ppermute(sends.backward, STAGE,
+                       [(s + 1, s) for s in range(S - 1)]))
+
+
+def file_arrivals(ctx: Stages, carry: TickCarry, received: Sends, instr,
+                  window: Window) -> TickCarry:
+  """Files what arrived into the slots the stage's row names."""
+  C = ctx.program.num_slots
+  acts, cots = carry.buffers
+  at_f, at_b = instr.recv_forward, instr.recv_backward
+  acts = jax.lax.cond(
+      at_f >= 0, lambda: acts.at[(at_f + window.base) % C].set(received.forward),
+      lambda: acts)
+
+  def file_cotangents():
+    out = cots
+    for w in range(ctx.program.backward_width):
+      out = out.at[(at_b + window.base + w) % C].set(received.backward[w])
+    return out
+
+  cots = jax.lax.cond(at_b >= 0, file_cotangents, lambda: cots)
+  return carry._replace(buffers=carry.buffers._replace(acts=acts, cots=cots))
+
+
+def optimizer_step(ctx: Stages, s: int, carry: TickCarry, grads, instr):
+  """Stage s's optimizer on the minibatch's gradient: the new packed weights
+  and optimizer state. Update rules that take extra arguments get the
+  weights the gradient used (`stale_params`), the updates applied since its
+  forward read (`staleness`) and this replica's own gradient
+  (`local_updates`; `grads` may be the replicas' mean)."""
+  current = ctx.params.unpack(s, read_version(carry.ring, 0))
+  opt_state = ctx.opt.unpack(s, carry.opt_state)
+  kwargs = {}
+  if ctx.extra_args:
+    kwargs = dict(
+        stale_params=ctx.params.unpack(
+            s, read_version(carry.ring, instr.update_lag)),
+        staleness=instr.update_staleness,
+        local_updates=ctx.params.unpack(s, carry.grads))
+  updates, opt_state = ctx.optimizer.update(ctx.params.unpack(s, grads),
+                                            opt_state, current, **kwargs)
+  return (ctx.params.pack(s, optax.apply_updates(current, updates)),
+          ctx.opt.pack(s, opt_state))
+
+
+def write_version(ring: WeightRing, params: packing.Flat, evict) -> WeightRing:
+  """Stores the next version, over the slot of the version `evict` updates
+  behind the latest (or an empty slot when `evict` < 0)."""
+  slot = jnp.where(evict >= 0, ring_slot(ring.versions, ring.latest - evict),
+                   ring_slot(ring.versions, -1))
+  return WeightRing(
+      params={k: v.at[slot].set(params[k]) for k, v in ring.params.items()},
+      versions=ring.versions.at[slot].set(ring.latest + 1),
+      latest=ring.latest + 1)
+
+
+def apply_update(ctx: Stages, window: Window, carry: TickCarry,
+                 instr) -> TickCarry:
+  """The minibatch's update on this stage, with the sync policy around it."""
+  grads = ctx.sync.reduce_gradient(carry.grads, DATA)
+  params, opt_state = jax.lax.switch(
+      window.stage, [lambda c, g, i, s=s: optimizer_step(ctx, s, c, g, i)
+                     for s in range(ctx.num_stages)], carry, grads, instr)
+  rel = instr.update_minibatch
+  event = sync_lib.UpdateEvent(
+      minibatch=(window.step - ctx.program.history) * ctx.window_minibatches
+      + rel, stage=window.stage, replica=window.replica,
+      plan={k: v[rel] for k, v in window.plan.items()})
+  params, sync_state = ctx.sync.after_update(
+      params, read_version(carry.ring, 0), carry.sync, event, DATA)
+  return carry._replace(
+      ring=write_version(carry.ring, params, instr.evict), opt_state=opt_state,
+      grads=jax.tree.map(jnp.zeros_like, carry.grads), sync=sync_state)
+
+
+def tick(ctx: Stages, window: Window, carry: TickCarry, rows):
+  """One tick on this device; `rows` holds every stage's row."""
+  instr = jax.tree.map(lambda column: column[window.stage], rows)
+  carry, sends = ctx.lowering(window.stage, instr.kind, task_branches(ctx),
+                              carry, instr, window)
+  carry = file_arrivals(ctx, carry, exchange(ctx, sends), instr, window)
+  carry = jax.lax.cond(instr.update == 1,
+                       lambda c: apply_update(ctx, window, c, instr),
+                       lambda c: c, carry)
+  return carry, None
