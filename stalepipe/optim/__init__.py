@@ -13,6 +13,8 @@ from stalepipe.optim._delay_compensation import compensate
 from stalepipe.optim._delay_compensation import delay_compensation
 from stalepipe.optim._delay_compensation import DelayCompensationState
 from stalepipe.optim._partial_staleness import minimal_stale_prefix
+from stalepipe.optim._spectrain import SpecTrain
+from stalepipe.optim._spectrain import SpecTrainState
 from stalepipe.optim._stale import stale_gradients
 from stalepipe.optim._stale import StaleGradientsState
 from stalepipe.optim._staleness_lr import scale_by_staleness
@@ -33,6 +35,8 @@ __all__ = (
     "scale_by_variance_reduced_adam",
     "ScaleByStalenessState",
     "ScaleByVarianceReducedAdamState",
+    "SpecTrain",
+    "SpecTrainState",
     "spectrain_prediction",
     "stale_gradients",
     "StaleGradientsState",
