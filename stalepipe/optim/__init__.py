@@ -13,6 +13,8 @@ from stalepipe.optim._delay_compensation import compensate
 from stalepipe.optim._delay_compensation import delay_compensation
 from stalepipe.optim._delay_compensation import DelayCompensationState
 from stalepipe.optim._partial_staleness import minimal_stale_prefix
+from stalepipe.optim._pipemare import PipeMare
+from stalepipe.optim._pipemare import PipeMareState
 from stalepipe.optim._spectrain import SpecTrain
 from stalepipe.optim._spectrain import SpecTrainState
 from stalepipe.optim._stale import stale_gradients
@@ -31,6 +33,8 @@ __all__ = (
     "delay_compensation",
     "DelayCompensationState",
     "minimal_stale_prefix",
+    "PipeMare",
+    "PipeMareState",
     "scale_by_staleness",
     "scale_by_variance_reduced_adam",
     "ScaleByStalenessState",
