@@ -356,3 +356,32 @@ def test_bad_arguments_raise_one_line_value_errors(make, match):
     make()
   message = str(err.value)
   assert "\n" not in message and "valid:" in message
+
+
+def _run_transform(opt, grads, x, **extra):
+  state, update = opt.init(x), jax.jit(opt.update)
+  for g in grads:
+    updates, state = update(g, state, x, **extra)
+    x = optax.apply_updates(x, updates)
+  return x
+
+
+@pytest.mark.parametrize("name", sorted(WRAPPERS))
+def test_works_inside_masked_and_multisteps(name):
+  make, _, update_args = WRAPPERS[name]
+  plain = make().gradient_transformation()
+  grads = [{"a": jnp.full(2, float(i)), "b": jnp.full(3, 1.0 + i)}
+           for i in range(1, 7)]
+  x = {"a": jnp.ones(2), "b": jnp.ones(3)}
+  masked = optax.masked(plain, {"a": True, "b": False})
+  got = _run_transform(masked, grads, x, **update_args)
+  a_only = _run_transform(plain, [g["a"] for g in grads], x["a"],
+                          **update_args)
+  np.testing.assert_array_equal(got["a"], a_only)
+  np.testing.assert_allclose(got["b"], x["b"] + sum(g["b"] for g in grads))
+  multi = optax.MultiSteps(plain, every_k_schedule=2)
+  means = [jax.tree.map(lambda u, v: (u + v) / 2, grads[i], grads[i + 1])
+           for i in range(0, len(grads), 2)]
+  jax.tree.map(np.testing.assert_allclose,
+               _run_transform(multi, grads, x, **update_args),
+               _run_transform(plain, means, x, **update_args))
