@@ -60,9 +60,9 @@ class PipeMare:
 
     pm = sp.optim.PipeMare(optax.sgd(0.1, momentum=0.9), warmup_steps=2000,
                            decay=0.9)
-    # backward of a minibatch whose forward on this stage was 3 updates ago
-    # and whose update comes 1 update after this read: tau_fwd = 3,
-    # tau_bkwd = 1.
+    # A backward: its forward read this stage's weights 3 updates before the
+    # minibatch's update (tau_fwd = 3), this read is 1 update before it
+    # (tau_bkwd = 1), so the weights moved twice in between.
     w_hat = pm.predict(state, params, since_forward=2)
     grads = backward(w_hat, ...)
     updates, state = pm.update(grads, state, params, staleness=3)
