@@ -13,6 +13,10 @@ from stalepipe.optim._delay_compensation import compensate
 from stalepipe.optim._delay_compensation import delay_compensation
 from stalepipe.optim._delay_compensation import DelayCompensationState
 from stalepipe.optim._partial_staleness import minimal_stale_prefix
+from stalepipe.optim._pipemare import PipeMare
+from stalepipe.optim._pipemare import PipeMareState
+from stalepipe.optim._spectrain import SpecTrain
+from stalepipe.optim._spectrain import SpecTrainState
 from stalepipe.optim._stale import stale_gradients
 from stalepipe.optim._stale import StaleGradientsState
 from stalepipe.optim._staleness_lr import scale_by_staleness
@@ -29,10 +33,14 @@ __all__ = (
     "delay_compensation",
     "DelayCompensationState",
     "minimal_stale_prefix",
+    "PipeMare",
+    "PipeMareState",
     "scale_by_staleness",
     "scale_by_variance_reduced_adam",
     "ScaleByStalenessState",
     "ScaleByVarianceReducedAdamState",
+    "SpecTrain",
+    "SpecTrainState",
     "spectrain_prediction",
     "stale_gradients",
     "StaleGradientsState",

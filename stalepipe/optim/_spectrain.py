@@ -1,0 +1,134 @@
+"""SpecTrain's weight prediction as an optimizer wrapper."""
+
+from typing import Any, NamedTuple, Optional
+
+import chex
+import jax
+import jax.numpy as jnp
+import optax
+
+
+class SpecTrainState(NamedTuple):
+  """State of `SpecTrain`."""
+
+  inner_state: optax.OptState  # the wrapped optimizer's state.
+  last: optax.Updates  # like params (their dtypes): the last update returned.
+
+
+def check_optimizer(optimizer: Any) -> None:
+  """Raises unless `optimizer` has optax's `init` and `update`."""
+  if not (callable(getattr(optimizer, "init", None))
+          and callable(getattr(optimizer, "update", None))):
+    raise ValueError(f"optimizer={optimizer!r} is invalid; valid: an optax "
+                     "GradientTransformation (with init and update)")
+
+
+def check_count(name: str, value: Any) -> None:
+  """Raises unless `value` is an integer scalar (traced values welcome)."""
+  if (value is None or isinstance(value, bool) or jnp.ndim(value) != 0
+      or not jnp.issubdtype(jnp.result_type(value), jnp.integer)):
+    raise ValueError(f"{name}={value!r} is invalid; valid: an integer scalar "
+                     "(Python int or int32 array, possibly traced)")
+
+
+def add_scaled(x: chex.Array, count: chex.Array, step: chex.Array) -> chex.Array:
+  """:math:`x + c \\cdot s` in at least float32, cast back; :math:`x` if c = 0."""
+  acc = jnp.promote_types(x.dtype, jnp.float32)
+  moved = (x.astype(acc) + jnp.asarray(count, acc) * step.astype(acc))
+  # `where`, not the sum: x + 0 * s turns -0 into +0 and NaN-propagates s.
+  return jnp.where(count == 0, x, moved.astype(x.dtype))
+
+
+class SpecTrain:
+  r"""SpecTrain's weight prediction: extrapolate the last update :math:`s` times.
+
+  Wraps any optax optimizer. `update` is the inner optimizer's update; the
+  wrapper keeps the last update :math:`u_t` it returned. `predict` gives the
+  weights :math:`s` updates ahead, assuming each repeats the last one:
+
+  .. math::
+    \hat x = x + s\, u_t
+
+  With `optax.sgd(lr, momentum=mu)` inside, :math:`u_t = -\eta\, b_t` with
+  :math:`b_t = \mu\, b_{t-1} + g_t` the momentum buffer (optax's trace) after
+  the last step, so :math:`\hat x = x - \eta\, s\, (\mu\, b_{t-1} + g_t)`:
+  SpecTrain's prediction, the smoothed gradient times the version difference
+  (`spectrain_prediction` is the same formula as a pure function). Before the first update :math:`u = 0` and :math:`\hat x = x`.
+
+  In a pipeline, :math:`s` (`ahead`) is the number of updates the stage will
+  apply between this task's read and the update of the task's own minibatch
+  (SpecTrain's version difference of that stage and pass). `predict` with
+  `ahead=0` returns the params bit for bit. State: the inner state plus one
+  params-sized buffer.
+
+  Examples:
+    >>> import jax.numpy as jnp, optax
+    >>> st = SpecTrain(optax.sgd(0.1, momentum=0.9))
+    >>> x = jnp.array([1.0, -2.0])
+    >>> state = st.init(x)
+    >>> updates, state = st.update(jnp.array([1.0, 1.0]), state, x)
+    >>> x = optax.apply_updates(x, updates)  # [0.9, -2.1]
+    >>> [round(float(v), 4) for v in st.predict(state, x, ahead=2)]
+    [0.7, -2.3]
+
+  References:
+    Chen et al, `Efficient and Robust Parallel DNN Training through Model
+    Parallelism on Multi-GPU Platform <https://arxiv.org/abs/1809.02839>`_
+    (SpecTrain), 2018.
+  """
+
+  def __init__(self, optimizer: optax.GradientTransformation):
+    """Wraps `optimizer` (e.g. `optax.sgd(lr, momentum=mu)`)."""
+    check_optimizer(optimizer)
+    self._opt = optax.with_extra_args_support(optimizer)
+
+  def init(self, params: optax.Params) -> SpecTrainState:
+    """The inner optimizer's state and a zero last update."""
+    return SpecTrainState(inner_state=self._opt.init(params),
+                          last=optax.tree.zeros_like(params))
+
+  def predict(self, state: SpecTrainState, params: optax.Params, *,
+              ahead: chex.Numeric, **extra_args: Any) -> optax.Params:
+    """:math:`x + s\\,u`, :math:`s` = `ahead`; `state` is not changed.
+
+    Args:
+      state: the state.
+      params: the current weights :math:`x`.
+      ahead: :math:`s`, an integer scalar (may be traced).
+      **extra_args: ignored (e.g. `since_forward`).
+
+    Returns:
+      The predicted weights, in the params' dtypes.
+    """
+    del extra_args
+    check_count("ahead", ahead)
+    return jax.tree.map(lambda x, u: add_scaled(x, ahead, u), params,
+                        state.last)
+
+  def update(
+      self,
+      updates: optax.Updates,
+      state: SpecTrainState,
+      params: Optional[optax.Params] = None,
+      **extra_args: Any,
+  ) -> tuple[optax.Updates, SpecTrainState]:
+    """The inner optimizer's update, which is also kept for `predict`.
+
+    Args:
+      updates: the gradient.
+      state: the state.
+      params: the current params, if the inner optimizer needs them.
+      **extra_args: passed to the inner optimizer (which ignores those it
+        does not take).
+
+    Returns:
+      The updates to apply and the new state.
+    """
+    step, inner_state = self._opt.update(updates, state.inner_state, params,
+                                         **extra_args)
+    last = jax.tree.map(lambda u, old: u.astype(old.dtype), step, state.last)
+    return step, SpecTrainState(inner_state=inner_state, last=last)
+
+  def gradient_transformation(self) -> optax.GradientTransformationExtraArgs:
+    """This wrapper as a transform (without `predict`)."""
+    return optax.GradientTransformationExtraArgs(self.init, self.update)
