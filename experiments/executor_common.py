@@ -43,28 +43,21 @@ def make_batch(minibatches: int, micro: int, examples: int, hidden: int,
 
 
 def step_function(pipe, state, inputs, targets):
-  """The executor's jitted step, and the arguments `pipe.step` passes it.
+  """The executor's compiled window step, and the arguments it takes.
 
-  Runs two windows through `pipe.step`, recording the second call's
-  arguments. Returns `(step_fn, state, args)`: `step_fn(state, *args)` runs
-  one more window (the state is donated: use the one it returns).
+  Runs one window through `pipe.step` first. Returns `(step_fn, state,
+  args)`: `step_fn(state, *args)` runs one more window (the state is donated:
+  use the one it returns).
   """
   state, _ = pipe.step(state, inputs, targets)
-  ((key, step_fn),) = pipe._step_fns.items()  # pylint: disable=protected-access
-  recorded = []
-
-  def recorder(*args):
-    recorded.append(args[1:])
-    return step_fn(*args)
-
-  pipe._step_fns[key] = recorder  # pylint: disable=protected-access
-  state, _ = pipe.step(state, inputs, targets)
-  pipe._step_fns[key] = step_fn  # pylint: disable=protected-access
-  return step_fn, state, recorded[0]
+  step_fn = pipe.compile(state, inputs, targets)
+  state, *args = pipe.arguments(state, inputs, targets)
+  return step_fn, state, tuple(args)
 
 
-def tables_index(pipe, args) -> int:
-  """Which of `args` holds the instruction tables."""
-  shape = np.shape(pipe.program.tables)
-  (i,) = [i for i, a in enumerate(args) if np.shape(a) == shape]
-  return i
+def with_tables(args: tuple, tables) -> tuple:
+  """`args` of `step_function` with other instruction tables, placed alike."""
+  inputs, targets, placed, plan = args
+  tables = jax.tree.map(lambda new, old: jax.device_put(new, old.sharding),
+                        tables, placed)
+  return inputs, targets, tables, plan

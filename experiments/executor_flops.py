@@ -38,7 +38,11 @@ S = 4
 
 
 def flops(fn, *args) -> float:
-  cost = jax.jit(fn).lower(*args).compile().cost_analysis()
+  return compiled_flops(jax.jit(fn).lower(*args).compile())
+
+
+def compiled_flops(compiled) -> float:
+  cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
   return float(cost.get("flops", 0.0))
 
@@ -108,16 +112,19 @@ def branch_costs(staged, micro: int, batch: int, hidden: int) -> dict:
   return out
 
 
-def table_flops(table: np.ndarray, costs: list, width: int) -> dict:
-  """Useful FLOPs (B as implemented and B = 2F) and updates of one table."""
-  col = {name: i for i, name in enumerate(program_lib.FIELDS)}
-  kinds = table[..., col["kind"]]
+def table_flops(program: program_lib.Program, costs: list) -> dict:
+  """Useful FLOPs (B as implemented and B = 2F) and updates of the steady
+  window's table."""
+  kinds = program.tables.kind[-1]
+  width = program.backward_width
+  code = lambda name: (program.kind_code(name) if name in program.kinds  # pylint: disable=unnecessary-lambda-assignment
+                       else -1)
   useful = two_f = recompute = backward = updates = 0.0
   counts = {"F": 0, "B": 0, "FB": 0}
   for s, c in enumerate(costs):
-    n_f = int(np.sum(kinds[:, s] == program_lib.FORWARD))
-    n_b = width * int(np.sum(kinds[:, s] == program_lib.BACKWARD))
-    n_fb = width * int(np.sum(kinds[:, s] == program_lib.FUSED))
+    n_f = int(np.sum(kinds[:, s] == code("F")))
+    n_b = width * int(np.sum(kinds[:, s] == code("B")))
+    n_fb = width * int(np.sum(kinds[:, s] == code("FB")))
     counts["F"] += n_f
     counts["B"] += n_b
     counts["FB"] += n_fb
@@ -126,11 +133,11 @@ def table_flops(table: np.ndarray, costs: list, width: int) -> dict:
     two_f += (n_f + 2 * n_b + 3 * n_fb) * c["recompute"]
     recompute += n_b * c["recompute"]
     backward += n_b * c["B"]
-    updates += int(np.sum(table[:, s, col["update"]])) * c["update"]
+    updates += int(np.sum(program.tables.update[-1][:, s])) * c["update"]
   busy = float(np.mean(kinds != program_lib.IDLE))
   return {"useful": useful, "useful_B_as_2F": two_f, "recompute": recompute,
           "backward": backward,
-          "updates": updates, "ticks": int(table.shape[0]),
+          "updates": updates, "ticks": int(kinds.shape[0]),
           "busy_slots": busy, "tasks": counts}
 
 
@@ -140,8 +147,8 @@ def whole_step_flops(staged, schedule, mesh, batch: int, hidden: int) -> float:
   state = pipe.init(staged.stage_params)
   x, y = common.make_batch(schedule.num_minibatches,
                            schedule.num_microbatches, 2 * batch, hidden)
-  step_fn, state, args = common.step_function(pipe, state, x, y)
-  return flops(step_fn, state, *args)
+  step_fn, _, _ = common.step_function(pipe, state, x, y)
+  return compiled_flops(step_fn)
 
 
 def baseline_flops(staged, mesh, micro: int, batch: int, hidden: int) -> float:
@@ -174,7 +181,7 @@ def main():
     schedule = common.make_schedule(name, S, M, B)
     program = program_lib.compile_program(schedule)
     costs = branch_costs(staged, M, b, H)
-    t = table_flops(program.tables[-1], costs, program.backward_width)
+    t = table_flops(program, costs)
     executed = t["useful"] + t["updates"]
     row = {"schedule": name, "M": M, "B": B, **t}
     whole = whole_step_flops(staged, schedule, mesh, b, H)

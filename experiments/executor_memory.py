@@ -44,7 +44,7 @@ def analyse(staged, schedule, mesh, batch: int, hidden: int,
   x, y = common.make_batch(schedule.num_minibatches,
                            schedule.num_microbatches, 2 * batch, hidden)
   step_fn, state, args = common.step_function(pipe, state, x, y)
-  mem = step_fn.lower(state, *args).compile().memory_analysis()
+  mem = step_fn.memory_analysis()
   fields = {name: shard_bytes(getattr(state, name))
             for name in state._fields}
   stage_bytes = max(sum(np.asarray(leaf).nbytes for leaf in jax.tree.leaves(p))
@@ -55,8 +55,8 @@ def analyse(staged, schedule, mesh, batch: int, hidden: int,
       "schedule": schedule.name, "max_stash_depth": R,
       "ring_versions": depth + extra_versions,
       "stage_param_bytes": stage_bytes,
-      "ring_bytes": fields["params"],
-      "ring_over_depth_x_stage": fields["params"] / (R * stage_bytes),
+      "ring_bytes": shard_bytes(state.ring.params),
+      "ring_over_depth_x_stage": shard_bytes(state.ring.params) / (R * stage_bytes),
       "argument_bytes": mem.argument_size_in_bytes,
       "state_field_bytes": fields,
       "argument_bytes_of_inputs_and_tables": shard_bytes(args),

@@ -38,27 +38,27 @@ import baseline_gpipe
 from stalepipe.models.losses import cross_entropy
 from stalepipe.pipeline import executor
 from stalepipe.pipeline import program as program_lib
+from stalepipe.schedules import kinds
 
 S = 4
-_COL = {name: i for i, name in enumerate(program_lib.FIELDS)}
 
 
-def cut_table(tables: np.ndarray, keep: tuple[int, ...]) -> np.ndarray:
-  """`tables` with every task whose kind is not in `keep` made idle.
-
-  Receives whose sender went idle and updates whose backwards went are
+def cut_table(program: program_lib.Program,
+              keep: tuple[str, ...]) -> program_lib.Instructions:
+  """The program's tables with every task whose kind is not in `keep` made
+  idle. Receives whose sender went idle and updates whose backwards went are
   dropped too.
   """
-  out = np.array(tables)
-  kinds = out[..., _COL["kind"]]
-  out[..., _COL["kind"]] = np.where(np.isin(kinds, keep), kinds,
-                                    program_lib.IDLE)
-  if program_lib.FORWARD not in keep:
-    out[..., _COL["recv_forward"]] = -1
-  if program_lib.BACKWARD not in keep:
-    out[..., _COL["recv_backward"]] = -1
-    out[..., _COL["update"]] = 0
-  return out
+  tables = program.tables
+  codes = [program.kind_code(k) for k in keep if k in program.kinds]
+  cut = {"kind": np.where(np.isin(tables.kind, codes), tables.kind,
+                          program_lib.IDLE)}
+  if not any(kinds.kind(k).runs_forward for k in keep):
+    cut["recv_forward"] = np.full_like(tables.recv_forward, -1)
+  if not any(kinds.kind(k).runs_backward for k in keep):
+    cut["recv_backward"] = np.full_like(tables.recv_backward, -1)
+    cut["update"] = np.zeros_like(tables.update)
+  return tables._replace(**cut)
 
 
 def alone_costs(staged, micro: int, batch: int, hidden: int, repeats: int):
@@ -122,17 +122,16 @@ def main():
                            optax.sgd(0.01), mesh)
     step_fn, states[name], step_args = common.step_function(
         pipe, pipe.init(staged.stage_params), x, y)
-    i = common.tables_index(pipe, step_args)
-    table = pipe.program.tables[-1]
-    tasks[name] = {"ticks": int(table.shape[0]),
-                   "F": int(np.sum(table[..., _COL["kind"]] == 1)),
-                   "B": int(np.sum(table[..., _COL["kind"]] >= 2))}
-    variants = {name: step_args[i],
-                f"{name}, idle table": cut_table(pipe.program.tables, ()),
-                f"{name}, forwards only": cut_table(pipe.program.tables,
-                                                    (program_lib.FORWARD,))}
+    program = pipe.program
+    tasks[name] = {"ticks": int(program.tables.kind.shape[1]),
+                   **{k: int(np.sum(program.tables.kind[-1]
+                                    == program.kind_code(k)))
+                      for k in program.kinds}}
+    variants = {name: program.tables,
+                f"{name}, idle table": cut_table(program, ()),
+                f"{name}, forwards only": cut_table(program, ("F",))}
     for label, tables in variants.items():
-      call_args = step_args[:i] + (jax.device_put(tables, step_args[i].sharding),) + step_args[i + 1:]
+      call_args = common.with_tables(step_args, tables)
 
       def run(name=name, call_args=call_args, step_fn=step_fn):
         states[name], metrics = step_fn(states[name], *call_args)

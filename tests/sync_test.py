@@ -116,14 +116,32 @@ def test_wsp_observed_staleness_reaches_but_never_exceeds_s_global(
   assert all(s <= bound for s in observed.values())
 
 
-def test_wsp_with_distance_0_and_one_minibatch_waves_is_bsp():
+def test_wsp_mean_server_with_distance_0_and_one_minibatch_waves_is_bsp():
   schedule = sp.schedules.make("hetpipe", num_stages=S, num_microbatches=2,
                                num_minibatches=2, concurrent_minibatches=1)
-  wsp, _ = _train(schedule, sp.sync.wsp(D, 0, 1))
+  wsp, _ = _train(schedule, sp.sync.wsp(D, 0, 1, server="mean"))
   bsp, spreads = _train(schedule, sp.sync.bsp(D))
   assert max(spreads) == 0.0
   for a, b in zip(wsp, bsp):
     np.testing.assert_allclose(a, b, atol=1e-6)
+
+
+def test_wsp_server_sums_the_workers_updates():
+  """Seed 001 §5: w_global <- w_global + u~ from every worker (eq. 1: weight
+  1 each). With D=0 and one-minibatch waves every worker then holds
+  x - lr * sum_d g_d after each update: BSP's mean gradient at D times lr."""
+  schedule = sp.schedules.make("hetpipe", num_stages=S, num_microbatches=2,
+                               num_minibatches=2, concurrent_minibatches=1)
+  assert sp.sync.wsp(D, 0, 1).server == "sum"  # HetPipe is the default
+  wsp, spreads = _train(schedule, sp.sync.wsp(D, 0, 1), num_windows=2,
+                        optimizer=optax.sgd(0.05))
+  bsp, _ = _train(schedule, sp.sync.bsp(D), num_windows=2,
+                  optimizer=optax.sgd(0.05 * D))
+  assert max(spreads) < 1e-7  # replicas agree up to the sum's rounding
+  for a, b in zip(wsp, bsp):
+    np.testing.assert_allclose(a, b, atol=1e-6)
+  with pytest.raises(ValueError, match="server='max' is invalid"):
+    sp.sync.wsp(D, 0, 1, server="max")
 
 
 def test_sdpipe_with_p_1_is_all_reduce_even_with_stragglers():
@@ -196,18 +214,13 @@ def test_wsp_program_holds_one_all_reduce_per_wave():
     state = pipe.init(staged.stage_params)
     x, y = next(_windows(1, concurrent, 1))
     state, _ = pipe.step(state, x, y)
-    (step_fn,) = pipe._step_fns.values()  # pylint: disable=protected-access
-    x, y = (pipe._put_local(a, jax.P(None, None, "data")) for a in (x, y))  # pylint: disable=protected-access
-    hlo = step_fn.lower(state, x, y,
-                        pipe._tables, pipe._sync_plan(state)  # pylint: disable=protected-access
-                        ).compile().as_text()
+    hlo = pipe.compile(state, x, y).as_text()
     # all-reduces over a parameter-sized (non-scalar) operand
     return re.findall(r"= f32\[\d+\]\{0\} all-reduce\(", hlo), pipe
 
   wsp, pipe = collectives(sp.sync.wsp(D, 1, concurrent))
   assert len(wsp) == 1
-  table = pipe.program.tables[-1]
-  updates = table[..., sp.pipeline.program.FIELDS.index("update")]
+  updates = pipe.program.tables.update[-1]
   assert updates.sum(axis=0).tolist() == [concurrent] * S  # N_m local updates
   bsp, _ = collectives(sp.sync.bsp(D))  # one per update, by contrast
   assert len(bsp) == 1

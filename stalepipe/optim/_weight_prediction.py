@@ -163,9 +163,15 @@ class WeightPrediction:
         others=self._others(zeros(), zeros()),
         ahead=self._keep(zeros()))
 
-  def predict(self, state: WeightPredictionState,
-              params: optax.Params) -> optax.Params:
-    """The predicted weights :math:`\\hat x`; `state` is not changed."""
+  def predict(self, state: WeightPredictionState, params: optax.Params,
+              **pipeline_args: Any) -> optax.Params:
+    """The predicted weights :math:`\\hat x`; `state` is not changed.
+
+    SAPipe predicts one step ahead whatever the pipeline's schedule, so the
+    pipeline's `ahead` and `since_forward` (`stalepipe.pipeline.contract`)
+    are accepted and not used.
+    """
+    del pipeline_args
     started = state.count > 0
 
     def one(stale, x, step):

@@ -250,8 +250,11 @@ class Pipeline:
             f"{name} shape {np.shape(array)} is invalid; valid: [{B}, {M}, "
             f"a multiple of {local_replicas} data replicas, ...]")
 
-  def _arguments(self, state: PipelineState, inputs, targets) -> tuple:
-    """The step function's arguments for this window, placed on the mesh."""
+  def arguments(self, state: PipelineState, inputs, targets) -> tuple:
+    """The window step's arguments, placed on the mesh: `(state, inputs,
+    targets, tables, plan)`, for the function `lower` and `compile` give
+    (e.g. `pipe.compile(state, x, y)(*pipe.arguments(state, x, y))`, which
+    donates the state like `step`)."""
     self._check_window(inputs, targets)
     inputs, targets = self.place(inputs), self.place(targets)
     if state.buffers is None:
@@ -283,12 +286,12 @@ class Pipeline:
       whose forward reached the last stage in this window (NaN if none did),
       and `num_losses`, their count.
     """
-    args = self._arguments(state, inputs, targets)
+    args = self.arguments(state, inputs, targets)
     return self._step_fn(args[1], args[2])(*args)
 
   def lower(self, state: PipelineState, inputs, targets) -> jax.stages.Lowered:
     """The window step for these arguments, lowered (e.g. for its HLO)."""
-    args = self._arguments(state, inputs, targets)
+    args = self.arguments(state, inputs, targets)
     return self._step_fn(args[1], args[2]).lower(*args)
 
   def compile(self, state: PipelineState, inputs,

@@ -200,7 +200,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
     return loss
 
   def save(window):
-    if not bool(all_finite(state.params)):
+    if not bool(all_finite(state.ring.params)):
       raise ValueError(f"weights are not finite after step {window * B} "
                        f"(window {window}); run stopped, last good "
                        f"checkpoint: {ckpt.directory}/{ckpt.latest_step()}")
