@@ -1,0 +1,181 @@
+"""Update rules through the pipeline contract: executor == oracle, and SAPipe's
+weight prediction against a hand-written data-parallel loop (seed 004 Alg. 3).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import stalepipe as sp
+from stalepipe.models.losses import cross_entropy
+from stalepipe.pipeline import executor
+from stalepipe.pipeline import reference
+
+ATOL, RTOL = 3e-6, 2e-5
+
+
+def _windows(num, B, M, n, seed=0):
+  rng = np.random.default_rng(seed)
+  for _ in range(num):
+    yield (rng.normal(size=(B, M, n, 8)).astype(np.float32),
+           rng.integers(0, 4, size=(B, M, n)).astype(np.int32))
+
+
+def _close(got, want):
+  for a, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+    np.testing.assert_allclose(a, w, atol=ATOL, rtol=RTOL)
+
+
+def _run_both(schedule, optimizer, D, num_windows=3, seed=2):
+  S = schedule.num_stages
+  staged = sp.models.split(sp.models.mlp(8, 6, max(S - 1, 1), 4, seed=seed), S)
+  mesh = jax.make_mesh((D, S), ("data", "stage"))
+  ex = executor.Pipeline(staged.stage_fns, cross_entropy, schedule, optimizer,
+                         mesh)
+  ref = reference.Pipeline(staged.stage_fns, cross_entropy, schedule,
+                           optimizer, num_replicas=D)
+  es, rs = ex.init(staged.stage_params), ref.init(staged.stage_params)
+  B, M = schedule.num_minibatches, schedule.num_microbatches
+  for x, y in _windows(num_windows, B, M, 2 * D):
+    es, em = ex.step(es, x, y)
+    rs, rm = ref.step(rs, x, y)
+    if rm["num_losses"]:
+      np.testing.assert_allclose(em["loss"], rm["loss"], rtol=RTOL)
+  for d in range(D):
+    _close(ex.params(es, d), ref.params(rs, d))
+  return staged, ref.params(rs)
+
+
+def _plain(schedule, optimizer, staged, D, num_windows=3):
+  ref = reference.Pipeline(staged.stage_fns, cross_entropy, schedule,
+                           optimizer, num_replicas=D)
+  state = ref.init(staged.stage_params)
+  B, M = schedule.num_minibatches, schedule.num_microbatches
+  for x, y in _windows(num_windows, B, M, 2 * D):
+    state, _ = ref.step(state, x, y)
+  return ref.params(state)
+
+
+def _differs(a, b):
+  return max(float(jnp.abs(x - y).max())
+             for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))) > 1e-4
+
+
+_RULES = {
+    "wp1": lambda D: sp.optim.WeightPrediction(optax.sgd(0.3, 0.9), option=1,
+                                               num_workers=D),
+    "wp2": lambda D: sp.optim.WeightPrediction(optax.sgd(0.3, 0.9), option=2,
+                                               num_workers=D),
+    "wp3": lambda D: sp.optim.WeightPrediction(optax.sgd(0.3, 0.9), option=3,
+                                               num_workers=D, lam=0.2),
+    "spectrain": lambda D: sp.optim.SpecTrain(optax.sgd(0.3, 0.9)),
+    "pipemare": lambda D: sp.optim.PipeMare(optax.sgd(0.3), warmup_steps=4,
+                                            decay=0.5),
+}
+# (rule, schedule, S, D): WP where SAPipe runs it (flush schedules, data
+# parallel); SpecTrain and PipeMare on asynchronous pipelines, PipeMare where
+# a backward reads newer weights than its forward (nF1B: since_forward > 0).
+_CASES = [("wp1", "gpipe", 1, 4), ("wp2", "1f1b", 2, 2), ("wp3", "gpipe", 2, 2),
+          ("wp3", "gpipe", 1, 4), ("spectrain", "pipedream", 3, 1),
+          ("pipemare", "timeprest", 3, 1), ("pipemare", "pipedream", 2, 2)]
+
+
+@pytest.mark.parametrize("rule,name,S,D", _CASES)
+def test_update_rule_executor_equals_oracle(rule, name, S, D):
+  schedule = sp.schedules.make(name, num_stages=S, num_microbatches=2,
+                               num_minibatches=2)
+  staged, got = _run_both(schedule, _RULES[rule](D), D)
+  # The rule really acts: without it (its inner optimizer) the run differs.
+  inner = optax.sgd(0.3, 0.9) if rule != "pipemare" else optax.sgd(0.3)
+  assert _differs(got, _plain(schedule, inner, staged, D))
+
+
+def test_pipeline_hands_the_contract_arguments():
+  """`staleness`, `stale_params` and predict's `ahead`/`since_forward` are the
+  schedule's, for every update and task (recorded from the oracle)."""
+  seen = {"update": [], "predict": []}
+
+  class Recorder:
+    def init(self, params):
+      return optax.sgd(0.1).init(params)
+
+    def update(self, grads, state, params, **kwargs):
+      seen["update"].append((int(kwargs["staleness"]),
+                             kwargs["stale_params"] is not None,
+                             kwargs["local_updates"] is not None))
+      return optax.sgd(0.1).update(grads, state, params)
+
+    def predict(self, state, weights, *, ahead, since_forward):
+      seen["predict"].append((int(ahead), int(since_forward)))
+      return weights
+
+  schedule = sp.schedules.make("timeprest", num_stages=3, num_microbatches=2,
+                               num_minibatches=4)
+  staged = sp.models.split(sp.models.mlp(8, 6, 2, 4), 3)
+  ref = reference.Pipeline(staged.stage_fns, cross_entropy, schedule,
+                           Recorder())
+  state = ref.init(staged.stage_params)
+  x, y = next(_windows(1, 4, 2, 2))
+  ref.step(state, x, y)
+  stream = schedule.with_minibatches(8)
+  want_updates = sorted(
+      (stream.update_version(s, p) - stream.forward_version(s, p), True, True)
+      for (s, p), u in stream.update_ticks.items() if u < stream.num_ticks
+      and p < 4 + 0 * u)
+  assert sorted(seen["update"]) == want_updates[:len(seen["update"])]
+  assert max(s for s, _, _ in seen["update"]) > 0
+  assert any(b > 0 for _, b in seen["predict"])  # nF1B backward reads newer
+  assert all(a >= 0 and b >= 0 for a, b in seen["predict"])
+
+
+@pytest.mark.parametrize("option", [1, 2, 3])
+def test_sapipe_weight_prediction_equals_a_data_parallel_loop(option):
+  """Seed 004 Algorithm 3 as a user writes it (the WeightPrediction
+  docstring's train_step, per worker, gradients averaged by hand) equals the
+  executor on D replicas x 1 stage with a flush schedule."""
+  D, steps, lr = 4, 6, 0.3
+  wp = sp.optim.WeightPrediction(optax.sgd(lr, 0.9), option=option,
+                                 num_workers=D, lam=0.2)
+  staged = sp.models.split(sp.models.mlp(8, 6, 1, 4, seed=4), 1)
+  model = sp.models.unpipelined(staged)
+  schedule = sp.schedules.make("gpipe", num_stages=1, num_microbatches=1,
+                               num_minibatches=steps)
+  pipe = executor.Pipeline(staged.stage_fns, cross_entropy, schedule, wp,
+                           jax.make_mesh((D, 1), ("data", "stage")))
+  state = pipe.init(staged.stage_params)
+  x, y = next(_windows(1, steps, 1, 2 * D, seed=5))
+  state, _ = pipe.step(state, x, y)
+
+  params = staged.stage_params
+  states = [wp.init(params) for _ in range(D)]
+  for t in range(steps):
+    local = []
+    for d in range(D):
+      x_hat = wp.predict(states[d], params)
+      xs, ys = x[t, 0, 2 * d:2 * d + 2], y[t, 0, 2 * d:2 * d + 2]
+      local.append(jax.grad(lambda w: cross_entropy(model(w, xs), ys))(x_hat))  # pylint: disable=cell-var-from-loop
+    synced = jax.tree.map(lambda *g: sum(g) / D, *local)
+    new = []
+    for d in range(D):
+      updates, states[d] = wp.update(synced, states[d], params,
+                                     local_updates=local[d])
+      new.append(optax.apply_updates(params, updates))
+    params = new[0]
+  _close(pipe.params(state), params)
+
+
+def test_weight_prediction_must_count_the_replicas_it_averages():
+  staged = sp.models.split(sp.models.mlp(8, 6, 1, 4), 1)
+  schedule = sp.schedules.make("gpipe", num_stages=1, num_microbatches=1)
+  mesh = jax.make_mesh((4, 1), ("data", "stage"))
+  with pytest.raises(ValueError, match="num_workers=2 does not fit"):
+    executor.Pipeline(staged.stage_fns, cross_entropy, schedule,
+                      sp.optim.WeightPrediction(optax.sgd(0.1), 3,
+                                                num_workers=2), mesh)
+  with pytest.raises(ValueError, match="num_workers=4 does not fit"):
+    reference.Pipeline(staged.stage_fns, cross_entropy, schedule,
+                       sp.optim.WeightPrediction(optax.sgd(0.1), 3,
+                                                 num_workers=4),
+                       num_replicas=4, sync=sp.sync.local_sgd(4, 2))
