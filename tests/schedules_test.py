@@ -10,13 +10,15 @@ import pytest
 import stalepipe as sp
 from stalepipe import theory
 
-ASYNC = ("pipedream", "2bw", "hetpipe", "timeprest")
+ASYNC = ("pipedream", "2bw", "hetpipe", "timeprest", "zb-async")
+SYNC_ZERO_BUBBLE = ("zb-h1", "zb-h2")
 FAST = settings(max_examples=12, deadline=None)
 
 
 def make(name, S, M, B, **kw):
-  """Builds a schedule; 2BW needs M >= S, so smaller M is raised to S."""
-  if name == "2bw":
+  """Builds a schedule; 2BW and zb-async stall below M = S, so smaller M is
+  raised to S."""
+  if name in ("2bw", "zb-async"):
     M = max(M, S)
   if name == "hetpipe":
     kw.setdefault("concurrent_minibatches", min(S, 3))
@@ -46,8 +48,10 @@ def test_unknown_options_rejected(name):
     sp.schedules.make("zigzag", num_stages=2, num_microbatches=1)
 
 
-@pytest.mark.parametrize("name", ASYNC + ("pipedream_vs",))
-@pytest.mark.parametrize("S,M", [(2, 1), (3, 2), (4, 1), (4, 2), (5, 3)])
+@pytest.mark.parametrize("name",
+                         ASYNC + SYNC_ZERO_BUBBLE + ("pipedream_vs",))
+@pytest.mark.parametrize("S,M", [(2, 1), (3, 2), (4, 1), (4, 2), (5, 3),
+                                 (3, 5)])
 def test_causal(name, S, M):
   """Adding minibatches never changes the past (DESIGN.md, windows)."""
   kw = {}
@@ -65,8 +69,9 @@ def test_causal(name, S, M):
         assert small.task_version(t) == big.task_version(t), (name, b, t)
 
 
-@pytest.mark.parametrize("name", ASYNC)
-@pytest.mark.parametrize("S,M", [(2, 1), (3, 2), (4, 1), (4, 3), (6, 2)])
+@pytest.mark.parametrize("name", ASYNC + SYNC_ZERO_BUBBLE)
+@pytest.mark.parametrize("S,M", [(2, 1), (3, 2), (4, 1), (4, 3), (6, 2),
+                                 (3, 5)])
 def test_periodic_in_steady_state(name, S, M):
   """Minibatch p+P repeats minibatch p shifted in time, P versions on.
 
@@ -101,12 +106,14 @@ def _first_with(schedule, pred):
 @pytest.mark.parametrize("name", sp.schedules.names())
 def test_validator_names_the_offending_task(name):
   s = make(name, 3, 2, 3)
-  # A backward moved to the tick of its own forward.
-  b = _first_with(s, lambda t: t.kind == "B" and t.stage == 1)
+  # A backward (B, or the input-gradient part of a split one) moved to the
+  # tick of its own forward.
+  b = _first_with(s, lambda t: t.kind in ("B", "BI") and t.stage == 1)
   early = b._replace(tick=0)
   tasks = tuple(sorted([early if t == b else t for t in s.tasks],
                        key=lambda t: (t.tick, t.stage)))
-  with pytest.raises(ValueError, match=r"Task\(tick=0, stage=1, kind='B'"):
+  with pytest.raises(ValueError,
+                     match=rf"Task\(tick=0, stage=1, kind='{b.kind}'"):
     dataclasses.replace(s, tasks=tasks).validate()
   # A version that the stage has not produced yet.
   t = s.tasks[-1]

@@ -20,8 +20,8 @@ produces a weight gradient (`closes_update`). A micro-batch is held on a stage
 from the start of its first task there to the end of its last.
 
 Examples:
-  >>> KINDS["B"].produces
-  frozenset({'input_cotangent', 'weight_gradient'})
+  >>> sorted(KINDS["B"].produces)
+  ['input_cotangent', 'weight_gradient']
   >>> [k.name for k in KINDS.values() if k.closes_update]
   ['B', 'FB', 'BW']
 """
