@@ -177,6 +177,25 @@ def test_pipedream_weight_stashing(S, M):
 
 
 @FAST
+@given(S=st.integers(1, 7), M=st.integers(1, 4))
+def test_pipedream_without_weight_stashing(S, M):
+  """A backward reads the latest version at its start: version p (every
+  earlier minibatch's backwards ran before it on its stage); forwards and
+  ticks are those of weight stashing."""
+  B = 2 * S + 2
+  stashed = make("pipedream", S, M, B)
+  s = make("pipedream", S, M, B, weight_stashing=False).validate()
+  assert s.tasks == stashed.tasks
+  for t in s.tasks:
+    if t.kind == "B":
+      assert s.task_version(t) == t.minibatch == s.applied(t.stage, t.tick)
+    else:
+      assert s.task_version(t) == stashed.task_version(t)
+  if S > 1 and B > S:  # a forward missed updates its backward sees
+    assert any(s.version(p, 0, "F", 0) < p for p in range(B))
+
+
+@FAST
 @given(S=st.integers(1, 7))
 def test_pipedream_versions_and_stash_match_theory(S):
   B = 2 * S + 2
@@ -246,9 +265,29 @@ def test_wsp_global_staleness_measured(S, n_m, D):
     assert measured == bound
 
 
+@pytest.mark.parametrize("S", [2, 3, 4, 5, 7])
+def test_2bw_accepts_one_microbatch_fewer_than_stages(S):
+  """M = S - 1: the same version map, two versions and a bubble-free
+  steady state of 2M ticks per minibatch on every stage."""
+  M, B = S - 1, 3 * S + 4
+  s = sp.schedules.make("2bw", num_stages=S, num_microbatches=M,
+                        num_minibatches=B).validate()
+  for t in s.tasks:
+    assert s.task_version(t) == theory.pipedream_2bw_version(t.minibatch)
+  assert s.stash_depth == (theory.PIPEDREAM_2BW_VERSIONS,) * S
+  for k in range(S):
+    first = [min(t.tick for t in s.tasks if t.stage == k and t.minibatch == p)
+             for p in range(B)]
+    assert {b - a for a, b in zip(first[2:-2], first[3:-1])} == {2 * M}
+    steady = s.busy[first[2]:first[-2], k]
+    assert steady.all(), (k, steady)
+
+
 def test_2bw_rejects_too_few_microbatches():
-  with pytest.raises(ValueError, match="num_microbatches=2"):
-    sp.schedules.make("2bw", num_stages=3, num_microbatches=2)
+  with pytest.raises(ValueError, match=r"^num_microbatches=2 is invalid for "
+                     r"2bw with 4 stages; it must be >= num_stages - 1$"):
+    sp.schedules.make("2bw", num_stages=4, num_microbatches=2)
+  sp.schedules.make("2bw", num_stages=4, num_microbatches=3)
 
 
 def test_hetpipe_rejects_bad_concurrency():
