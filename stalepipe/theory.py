@@ -9,12 +9,15 @@ Examples:
   (0.42857142857142855, 6)
   >>> timeprest_version_difference(4, 2), timeprest_single_sequence(4, 4)
   (2, True)
+  >>> zero_bubble_h1_makespan(4, 8), one_f_one_b_split_makespan(4, 8)
+  (27, 33)
 """
 
 import math
 
 
-_COUNTS = ("num_stages", "num_microbatches", "concurrent_minibatches")
+_COUNTS = ("num_stages", "num_microbatches", "num_minibatches",
+           "concurrent_minibatches")
 
 
 def _check(**values: int) -> None:
@@ -202,3 +205,181 @@ def pipedream_2bw_version(minibatch: int) -> int:
 
 
 PIPEDREAM_2BW_VERSIONS = 2
+
+
+# Zero bubble (Qi et al, ICLR 2024). Unit costs are the paper's
+# T_F = T_B = T_W: a forward, an input gradient (BI) and a weight gradient
+# (BW) take one tick each, an unsplit backward two.
+
+_ZERO_BUBBLE = ("1f1b", "zb-h1", "zb-h2")
+
+
+def one_f_one_b_split_makespan(num_stages: int, num_microbatches: int,
+                               num_minibatches: int = 1) -> int:
+  r"""1F1B's ticks when its backward costs two (input + weight gradient).
+
+  Per minibatch, the pipeline's fill and drain cost every stage
+  :math:`(S - 1)(T_F + T_B + T_W)` (Qi et al, ICLR 2024, §2, Table 2) on top
+  of its :math:`M (T_F + T_B + T_W)` of work:
+
+  .. math:: B \left(3M + 3(S - 1)\right)
+
+  Examples:
+    >>> one_f_one_b_split_makespan(4, 8)
+    33
+
+  References:
+    Qi et al, Zero Bubble (Almost) Pipeline Parallelism
+    <https://arxiv.org/abs/2401.10241>, 2024 (Table 2)
+  """
+  _check(num_stages=num_stages, num_microbatches=num_microbatches,
+         num_minibatches=num_minibatches)
+  return num_minibatches * (3 * num_microbatches + 3 * (num_stages - 1))
+
+
+def _enough(name, num_stages, num_microbatches, least):
+  if num_microbatches < least:
+    raise ValueError(f"num_microbatches={num_microbatches} is invalid for "
+                     f"{name}'s closed form with {num_stages} stages; it "
+                     f"must be >= {least}")
+
+
+def zero_bubble_h1_makespan(num_stages: int, num_microbatches: int,
+                            num_minibatches: int = 1) -> int:
+  r"""ZB-H1's ticks with unit costs, :math:`M \ge S` (§2.1, Table 2).
+
+  B starts earlier and the deferred W fill the tail, so each stage idles
+  :math:`(S - 1)(T_F + T_B - T_W) = S - 1` ticks per minibatch, a third of
+  1F1B's :math:`3(S - 1)`; a flush separates minibatches:
+
+  .. math:: B \left(3M + S - 1\right)
+
+  Examples:
+    >>> zero_bubble_h1_makespan(4, 8)  # Figure 3 (top)
+    27
+  """
+  _check(num_stages=num_stages, num_microbatches=num_microbatches,
+         num_minibatches=num_minibatches)
+  _enough("zb-h1", num_stages, num_microbatches, num_stages)
+  return num_minibatches * (3 * num_microbatches + num_stages - 1)
+
+
+def zero_bubble_h1_bubble(num_stages: int, num_microbatches: int) -> float:
+  r"""ZB-H1's bubble fraction with unit costs, :math:`M \ge S` (§2.1).
+
+  .. math:: \frac{S - 1}{3M + S - 1}
+
+  (1F1B's, :func:`gpipe_bubble`, is :math:`\frac{3(S-1)}{3M + 3(S-1)}`.)
+
+  Examples:
+    >>> zero_bubble_h1_bubble(4, 8)
+    0.1111111111111111
+  """
+  _check(num_stages=num_stages, num_microbatches=num_microbatches)
+  _enough("zb-h1", num_stages, num_microbatches, num_stages)
+  return (num_stages - 1) / (3 * num_microbatches + num_stages - 1)
+
+
+def zero_bubble_h2_makespan(num_stages: int, num_microbatches: int,
+                            num_minibatches: int = 1) -> int:
+  r"""ZB-H2's ticks with unit costs, :math:`M \ge 2S - 1` (§2.2).
+
+  No bubble, :math:`(S - 1)(T_F + T_B - 2T_W) = 0` (Table 2), between
+  minibatches either (the parallelogram of Figure 3, bottom): only the
+  pipeline's one fill and drain remain,
+
+  .. math:: 3MB + S - 1
+
+  The asynchronous zero-bubble schedule (zb-async) reaches it from
+  :math:`M \ge S` on, at ZB-H1's memory.
+
+  Examples:
+    >>> zero_bubble_h2_makespan(4, 8, 2)
+    51
+  """
+  _check(num_stages=num_stages, num_microbatches=num_microbatches,
+         num_minibatches=num_minibatches)
+  _enough("zb-h2", num_stages, num_microbatches, 2 * num_stages - 1)
+  return 3 * num_microbatches * num_minibatches + num_stages - 1
+
+
+def zero_bubble_h2_bubble(num_stages: int, num_microbatches: int,
+                          num_minibatches: int = 1) -> float:
+  r"""ZB-H2's bubble fraction with unit costs, :math:`M \ge 2S - 1`.
+
+  .. math:: \frac{S - 1}{3MB + S - 1} \to 0 \text{ as } B \to \infty
+
+  Examples:
+    >>> zero_bubble_h2_bubble(4, 8, 1) == zero_bubble_h1_bubble(4, 8)
+    True
+  """
+  makespan = zero_bubble_h2_makespan(num_stages, num_microbatches,
+                                     num_minibatches)
+  return (num_stages - 1) / makespan
+
+
+def zero_bubble_bubble_size(schedule: str, num_stages: int, t_f: float = 1.0,
+                            t_b: float = 1.0, t_w: float = 1.0) -> float:
+  r"""Idle time per stage and minibatch in the steady state (Table 2).
+
+  With :math:`T_B` the input gradient's time and :math:`T_W` the weight
+  gradient's:
+
+  =========  ==========================================
+  1f1b       :math:`(S - 1)(T_F + T_B + T_W)`
+  zb-h1      :math:`(S - 1)(T_F + T_B - T_W)`
+  zb-h2      :math:`(S - 1)(T_F + T_B - 2T_W)`
+  =========  ==========================================
+
+  Examples:
+    >>> [zero_bubble_bubble_size(n, 4) for n in ("1f1b", "zb-h1", "zb-h2")]
+    [9.0, 3.0, 0.0]
+
+  References:
+    Qi et al, Zero Bubble (Almost) Pipeline Parallelism
+    <https://arxiv.org/abs/2401.10241>, 2024 (§2.3, Table 2)
+  """
+  _check(num_stages=num_stages)
+  if schedule not in _ZERO_BUBBLE:
+    raise ValueError(f"schedule={schedule!r} is invalid; valid: "
+                     f"{', '.join(_ZERO_BUBBLE)}")
+  for name, value in (("t_f", t_f), ("t_b", t_b), ("t_w", t_w)):
+    if not value >= 0:
+      raise ValueError(f"{name}={value!r} is invalid; it must be >= 0")
+  w = {"1f1b": 1, "zb-h1": -1, "zb-h2": -2}[schedule]
+  return (num_stages - 1) * (t_f + t_b + w * t_w)
+
+
+def zero_bubble_activations(schedule: str, num_stages: int,
+                            stage: int) -> tuple[int, int]:
+  r"""Peak micro-batches stage :math:`s` holds: `(before BI, after BI)`.
+
+  A micro-batch keeps the activations of B, :math:`M_B`, from its forward to
+  its input gradient, and the smaller :math:`M_W` from there to its weight
+  gradient (§2.3). At its peak stage :math:`s` (0-based) holds
+
+  =========  ===================================================
+  1f1b       :math:`(S - s) M_B`
+  zb-h1      :math:`(S - s) M_B + s M_W \le S M_B`
+  zb-h2      :math:`(2S - 2s - 1) M_B + 2s M_W \le (2S - 1) M_B`
+  =========  ===================================================
+
+  (the paper's worker :math:`i = s + 1`), so a stage holds :math:`S - s`,
+  :math:`S` and :math:`2S - 1` micro-batches in all, given enough of them
+  (:math:`M \ge S`, :math:`M \ge 2S - 1` for ZB-H2).
+
+  Examples:
+    >>> [zero_bubble_activations("zb-h1", 4, s) for s in range(4)]
+    [(4, 0), (3, 1), (2, 2), (1, 3)]
+
+  References:
+    Qi et al, Zero Bubble (Almost) Pipeline Parallelism
+    <https://arxiv.org/abs/2401.10241>, 2024 (§2.3, Table 2)
+  """
+  _check(num_stages=num_stages, stage=stage)
+  if schedule not in _ZERO_BUBBLE:
+    raise ValueError(f"schedule={schedule!r} is invalid; valid: "
+                     f"{', '.join(_ZERO_BUBBLE)}")
+  S, s = num_stages, stage
+  return {"1f1b": (S - s, 0), "zb-h1": (S - s, s),
+          "zb-h2": (2 * S - 2 * s - 1, 2 * s)}[schedule]

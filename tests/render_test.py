@@ -77,3 +77,26 @@ def test_cli_table_reproduces_the_tasks(tmp_path, capsys):
               for t in s.tasks}
   assert parsed == expected
   assert f"version_difference {s.version_difference}" in out
+
+
+@pytest.mark.parametrize("name", ["zb-h1", "zb-h2", "zb-async"])
+def test_cli_shows_split_backward(tmp_path, capsys, name):
+  png, trace = tmp_path / "s.png", tmp_path / "s.json"
+  assert cli.main(["show", name, "--stages", "4", "--microbatches", "8",
+                   "--minibatches", "2", "--png", str(png), "--trace",
+                   str(trace)]) == 0
+  out = capsys.readouterr().out
+  s = sp.schedules.make(name, num_stages=4, num_microbatches=8,
+                        num_minibatches=2)
+  lines = out.splitlines()
+  rows = [line.split()[2:] for line in lines[2:6]]
+  parsed = {(tick, stage, cell) for stage, row in enumerate(rows)
+            for tick, cell in enumerate(row) if cell not in (".", "~")}
+  assert parsed == {(t.tick, t.stage, f"{t.kind}{t.minibatch}.{t.microbatch}")
+                    for t in s.tasks}
+  assert f"num_ticks          {s.num_ticks}" in out
+  boxes = [e for e in json.loads(trace.read_text())["traceEvents"]
+           if e["ph"] == "X"]
+  assert {b["cat"] for b in boxes} == {"forward", "input gradient",
+                                       "weight gradient"}
+  assert image.imread(str(png)).std() > 0.05

@@ -10,13 +10,15 @@ import pytest
 import stalepipe as sp
 from stalepipe import theory
 
-ASYNC = ("pipedream", "2bw", "hetpipe", "timeprest")
+ASYNC = ("pipedream", "2bw", "hetpipe", "timeprest", "zb-async")
+SYNC_ZERO_BUBBLE = ("zb-h1", "zb-h2")
 FAST = settings(max_examples=12, deadline=None)
 
 
 def make(name, S, M, B, **kw):
-  """Builds a schedule; 2BW needs M >= S, so smaller M is raised to S."""
-  if name == "2bw":
+  """Builds a schedule; 2BW and zb-async stall below M = S, so smaller M is
+  raised to S."""
+  if name in ("2bw", "zb-async"):
     M = max(M, S)
   if name == "hetpipe":
     kw.setdefault("concurrent_minibatches", min(S, 3))
@@ -46,8 +48,10 @@ def test_unknown_options_rejected(name):
     sp.schedules.make("zigzag", num_stages=2, num_microbatches=1)
 
 
-@pytest.mark.parametrize("name", ASYNC + ("pipedream_vs",))
-@pytest.mark.parametrize("S,M", [(2, 1), (3, 2), (4, 1), (4, 2), (5, 3)])
+@pytest.mark.parametrize("name",
+                         ASYNC + SYNC_ZERO_BUBBLE + ("pipedream_vs",))
+@pytest.mark.parametrize("S,M", [(2, 1), (3, 2), (4, 1), (4, 2), (5, 3),
+                                 (3, 5)])
 def test_causal(name, S, M):
   """Adding minibatches never changes the past (DESIGN.md, windows)."""
   kw = {}
@@ -65,8 +69,9 @@ def test_causal(name, S, M):
         assert small.task_version(t) == big.task_version(t), (name, b, t)
 
 
-@pytest.mark.parametrize("name", ASYNC)
-@pytest.mark.parametrize("S,M", [(2, 1), (3, 2), (4, 1), (4, 3), (6, 2)])
+@pytest.mark.parametrize("name", ASYNC + SYNC_ZERO_BUBBLE)
+@pytest.mark.parametrize("S,M", [(2, 1), (3, 2), (4, 1), (4, 3), (6, 2),
+                                 (3, 5)])
 def test_periodic_in_steady_state(name, S, M):
   """Minibatch p+P repeats minibatch p shifted in time, P versions on.
 
@@ -101,12 +106,14 @@ def _first_with(schedule, pred):
 @pytest.mark.parametrize("name", sp.schedules.names())
 def test_validator_names_the_offending_task(name):
   s = make(name, 3, 2, 3)
-  # A backward moved to the tick of its own forward.
-  b = _first_with(s, lambda t: t.kind == "B" and t.stage == 1)
+  # A backward (B, or the input-gradient part of a split one) moved to the
+  # tick of its own forward.
+  b = _first_with(s, lambda t: t.kind in ("B", "BI") and t.stage == 1)
   early = b._replace(tick=0)
   tasks = tuple(sorted([early if t == b else t for t in s.tasks],
                        key=lambda t: (t.tick, t.stage)))
-  with pytest.raises(ValueError, match=r"Task\(tick=0, stage=1, kind='B'"):
+  with pytest.raises(ValueError,
+                     match=rf"Task\(tick=0, stage=1, kind='{b.kind}'"):
     dataclasses.replace(s, tasks=tasks).validate()
   # A version that the stage has not produced yet.
   t = s.tasks[-1]
@@ -167,6 +174,25 @@ def test_pipedream_weight_stashing(S, M):
     if t.kind == "B":
       assert s.task_version(t) == s.version(t.minibatch, t.stage, "F",
                                             t.microbatch)
+
+
+@FAST
+@given(S=st.integers(1, 7), M=st.integers(1, 4))
+def test_pipedream_without_weight_stashing(S, M):
+  """A backward reads the latest version at its start: version p (every
+  earlier minibatch's backwards ran before it on its stage); forwards and
+  ticks are those of weight stashing."""
+  B = 2 * S + 2
+  stashed = make("pipedream", S, M, B)
+  s = make("pipedream", S, M, B, weight_stashing=False).validate()
+  assert s.tasks == stashed.tasks
+  for t in s.tasks:
+    if t.kind == "B":
+      assert s.task_version(t) == t.minibatch == s.applied(t.stage, t.tick)
+    else:
+      assert s.task_version(t) == stashed.task_version(t)
+  if S > 1 and B > S:  # a forward missed updates its backward sees
+    assert any(s.version(p, 0, "F", 0) < p for p in range(B))
 
 
 @FAST
@@ -239,9 +265,29 @@ def test_wsp_global_staleness_measured(S, n_m, D):
     assert measured == bound
 
 
+@pytest.mark.parametrize("S", [2, 3, 4, 5, 7])
+def test_2bw_accepts_one_microbatch_fewer_than_stages(S):
+  """M = S - 1: the same version map, two versions and a bubble-free
+  steady state of 2M ticks per minibatch on every stage."""
+  M, B = S - 1, 3 * S + 4
+  s = sp.schedules.make("2bw", num_stages=S, num_microbatches=M,
+                        num_minibatches=B).validate()
+  for t in s.tasks:
+    assert s.task_version(t) == theory.pipedream_2bw_version(t.minibatch)
+  assert s.stash_depth == (theory.PIPEDREAM_2BW_VERSIONS,) * S
+  for k in range(S):
+    first = [min(t.tick for t in s.tasks if t.stage == k and t.minibatch == p)
+             for p in range(B)]
+    assert {b - a for a, b in zip(first[2:-2], first[3:-1])} == {2 * M}
+    steady = s.busy[first[2]:first[-2], k]
+    assert steady.all(), (k, steady)
+
+
 def test_2bw_rejects_too_few_microbatches():
-  with pytest.raises(ValueError, match="num_microbatches=2"):
-    sp.schedules.make("2bw", num_stages=3, num_microbatches=2)
+  with pytest.raises(ValueError, match=r"^num_microbatches=2 is invalid for "
+                     r"2bw with 4 stages; it must be >= num_stages - 1$"):
+    sp.schedules.make("2bw", num_stages=4, num_microbatches=2)
+  sp.schedules.make("2bw", num_stages=4, num_microbatches=3)
 
 
 def test_hetpipe_rejects_bad_concurrency():
@@ -313,3 +359,172 @@ def test_timeprest_matches_seed_003_text():
   for n, sched in ((2, a), (4, b)):
     ticks = [t.tick for t in sched.tasks if t.stage == 0 and t.kind == "B"]
     assert [y - x for x, y in zip(ticks, ticks[1:])][:3] == [n + 1] * 3
+
+
+# Zero bubble (Qi et al, ICLR 2024): the backward split into BI and BW.
+
+
+def _paper_rows(rows):
+  """Figure 3's rows (1-based micro-batches, B/W) as our (tick, kind, m)."""
+  name = {"F": "F", "B": "BI", "W": "BW"}
+  return [{(tick, name[c[0]], int(c[1:]) - 1)
+           for tick, c in enumerate(row.split()) if c != "."}
+          for row in rows]
+
+
+def _rows(schedule, kinds=("F", "BI", "BW")):
+  return [{(t.tick, t.kind, t.microbatch) for t in schedule.tasks
+           if t.stage == k and t.kind in kinds}
+          for k in range(schedule.num_stages)]
+
+
+def test_zb_h1_is_figure_3_top():
+  """Transcribed by hand from the paper's Figure 3 (top), p = 4, m = 8."""
+  paper = _paper_rows([
+      "F1 F2 F3 F4 . . . B1 W1 F5 B2 W2 F6 B3 W3 F7 B4 W4 F8 B5 W5 B6 W6 "
+      "B7 W7 B8 W8",
+      ". F1 F2 F3 . . B1 F4 B2 W1 F5 B3 W2 F6 B4 W3 F7 B5 W4 F8 B6 W5 B7 "
+      "W6 B8 W7 W8",
+      ". . F1 F2 . B1 F3 B2 F4 B3 W1 F5 B4 W2 F6 B5 W3 F7 B6 W4 F8 B7 W5 "
+      "B8 W6 W7 W8",
+      ". . . F1 B1 F2 B2 F3 B3 F4 B4 W1 F5 B5 W2 F6 B6 W3 F7 B7 W4 F8 B8 "
+      "W5 W6 W7 W8"])
+  assert _rows(make("zb-h1", 4, 8, 1).validate()) == paper
+
+
+def test_zb_h2_forwards_are_figure_3_bottom():
+  """Figure 3 (bottom): the forwards tick for tick; our tails order BI and
+  BW differently (forward first, then BI before BW) at the same length."""
+  paper = _paper_rows([
+      "F1 F2 F3 F4 F5 F6 F7 . . F8",
+      ". F1 F2 F3 F4 F5 . F6 . F7 . . F8",
+      ". . F1 F2 F3 . F4 . F5 . F6 . F7 . . F8",
+      ". . . F1 . F2 . F3 . F4 . F5 . F6 . F7 . . F8"])
+  s = make("zb-h2", 4, 8, 1).validate()
+  assert _rows(s, kinds=("F",)) == paper
+  for k in range(4):  # each stage busy 3M ticks on end, from tick k
+    assert s.busy[k:k + 24, k].all() and s.busy[:, k].sum() == 24
+
+
+def _peak_before_input_gradient(schedule):
+  """Per stage, the most micro-batches between their F and their BI's end."""
+  ends = {(t.stage, t.minibatch, t.microbatch): schedule.end_tick(t)
+          for t in schedule.tasks if t.kind == "BI"}
+  peaks = []
+  for k in range(schedule.num_stages):
+    spans = [(t.tick, ends[(k, t.minibatch, t.microbatch)])
+             for t in schedule.tasks if t.stage == k and t.kind == "F"]
+    peaks.append(max(sum(a <= tick < b for a, b in spans)
+                     for tick in range(schedule.num_ticks)))
+  return tuple(peaks)
+
+
+@FAST
+@given(S=st.integers(1, 7), extra=st.integers(0, 5), B=st.integers(1, 3))
+def test_zb_h1_matches_table_2(S, extra, B):
+  M = S + extra
+  s = make("zb-h1", S, M, B).validate()
+  one = make("1f1b", S, M, B)
+  assert s.num_ticks == theory.zero_bubble_h1_makespan(S, M, B)
+  assert s.bubble_fraction == pytest.approx(theory.zero_bubble_h1_bubble(S, M))
+  # Idle per stage and minibatch: a third of 1F1B's with a 2-tick backward.
+  assert s.num_ticks / B - 3 * M == theory.zero_bubble_bubble_size("zb-h1", S)
+  assert 3 * theory.zero_bubble_bubble_size("zb-h1", S) == (
+      theory.one_f_one_b_split_makespan(S, M) - 3 * M)
+  # 1F1B's peak: S micro-batches, S - s of them before their BI.
+  memory = [theory.zero_bubble_activations("zb-h1", S, k) for k in range(S)]
+  assert s.max_in_flight == tuple(sum(m) for m in memory) == (S,) * S
+  assert _peak_before_input_gradient(s) == tuple(m[0] for m in memory)
+  assert max(s.max_in_flight) == max(one.max_in_flight) == S
+  assert one.max_in_flight == tuple(
+      sum(theory.zero_bubble_activations("1f1b", S, k)) for k in range(S))
+  for t in s.tasks:  # synchronous: a flush per minibatch
+    assert s.task_version(t) == t.minibatch
+  assert s.stash_depth == (1,) * S and s.staleness == (0,) * B
+
+
+@FAST
+@given(S=st.integers(1, 6), extra=st.integers(0, 4), B=st.integers(1, 3))
+def test_zb_h2_matches_table_2(S, extra, B):
+  M = 2 * S - 1 + extra
+  s = make("zb-h2", S, M, B).validate()
+  assert s.num_ticks == theory.zero_bubble_h2_makespan(S, M, B)
+  assert s.bubble_fraction == pytest.approx(
+      theory.zero_bubble_h2_bubble(S, M, B))
+  memory = [theory.zero_bubble_activations("zb-h2", S, k) for k in range(S)]
+  assert s.max_in_flight == tuple(sum(m) for m in memory) == (2 * S - 1,) * S
+  assert _peak_before_input_gradient(s) == tuple(m[0] for m in memory)
+  for k in range(S):  # the parallelogram: no idle tick from k to 3MB + k
+    assert s.busy[k:k + 3 * M * B, k].all()
+  for t in s.tasks:
+    assert s.task_version(t) == t.minibatch
+  assert s.stash_depth == (1,) * S and s.staleness == (0,) * B
+
+
+@FAST
+@given(S=st.integers(1, 7), extra=st.integers(-1, 4), B=st.integers(2, 8))
+def test_zb_async_versions_staleness_and_memory(S, extra, B):
+  M = max(1, S + extra)
+  s = make("zb-async", S, M, B).validate() if extra >= 0 else (
+      sp.schedules.make("zb-async", num_stages=S, num_microbatches=M,
+                        num_minibatches=B).validate())
+  for t in s.tasks:  # 2BW's version map; BI and BW read their F's version
+    assert s.task_version(t) == theory.pipedream_2bw_version(t.minibatch)
+    assert s.task_version(t) == s.version(t.minibatch, t.stage, "F",
+                                          t.microbatch)
+  assert s.staleness == tuple(min(p, 1) for p in range(B))
+  assert s.stash_depth == (theory.PIPEDREAM_2BW_VERSIONS,) * S
+  memory = [theory.zero_bubble_activations("zb-h1", S, k) for k in range(S)]
+  if M >= S:  # ZB-H2's ticks at ZB-H1's memory
+    assert s.num_ticks == 3 * M * B + S - 1
+    assert s.max_in_flight == (S,) * S
+    assert _peak_before_input_gradient(s) == tuple(m[0] for m in memory)
+  else:  # M = S - 1 stalls once, in the fill
+    assert s.num_ticks <= 3 * M * B + S
+
+
+def test_zb_async_rejects_too_few_microbatches():
+  with pytest.raises(ValueError, match=r"^num_microbatches=2 is invalid for "
+                     r"zb-async with 4 stages; it must be >= num_stages - 1$"):
+    sp.schedules.make("zb-async", num_stages=4, num_microbatches=2)
+
+
+@pytest.mark.parametrize("name", sp.schedules.names())
+@pytest.mark.parametrize("S,M", [(3, 2), (4, 4), (4, 9), (5, 3)])
+def test_weight_gradients_grouped_by_minibatch(name, S, M):
+  """A stage applies minibatch p's update before any backward task of p+1
+  starts there: the executor keeps one gradient accumulator per stage."""
+  s = make(name, S, M, 5)
+  for t in s.tasks:
+    if s.kind(t).runs_backward and t.minibatch > 0:
+      assert s.update_ticks[(t.stage, t.minibatch - 1)] < t.tick, (name, t)
+
+
+def test_split_backward_held_once():
+  """F, BI, BW of one micro-batch: held once, from F's start to BW's end."""
+  tasks = (sp.schedules.Task(0, 0, "F", 0, 0),
+           sp.schedules.Task(1, 0, "BI", 0, 0),
+           sp.schedules.Task(2, 0, "BW", 0, 0))
+  s = sp.schedules.Schedule("hand", 1, 1, 1, tasks,
+                            {(0, 0, t.kind, 0): 0 for t in tasks}).validate()
+  assert s.held == {(0, 0, 0): (0, 3)}
+  assert s.max_in_flight == (1,) and s.num_ticks == 3
+
+
+@pytest.mark.parametrize("name", ["zb-h1", "zb-h2", "zb-async"])
+@pytest.mark.parametrize("S,M", [(2, 3), (4, 8), (5, 5)])
+def test_split_max_in_flight_brute_force(name, S, M):
+  """Counted tick by tick from the tasks: a micro-batch is in flight from its
+  F's start until its BW ends, whatever its BI does in between."""
+  s = make(name, S, M, 3)
+  start, end = {}, {}
+  for t in s.tasks:
+    key = (t.stage, t.minibatch, t.microbatch)
+    if t.kind == "F":
+      start[key] = t.tick
+    if t.kind == "BW":
+      end[key] = s.end_tick(t)
+  peaks = tuple(max(sum(start[key] <= tick < end[key] for key in start
+                        if key[0] == k) for tick in range(s.num_ticks))
+                for k in range(S))
+  assert s.max_in_flight == peaks

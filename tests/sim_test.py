@@ -13,7 +13,9 @@ from stalepipe.sim import wsp_sync
 
 FREE = sp.sim.Link(bandwidth=1e12, latency=0.0)  # links that cost nothing
 SCHEDULES = [("gpipe", {}), ("1f1b", {}), ("pipedream", {}), ("2bw", {}),
-             ("hetpipe", {"concurrent_minibatches": 3}), ("timeprest", {})]
+             ("hetpipe", {"concurrent_minibatches": 3}), ("timeprest", {}),
+             ("zb-h1", {}), ("zb-h2", {}), ("zb-async", {})]
+SPLIT = ("zb-h1", "zb-h2", "zb-async")
 
 
 def free_cluster(num_pipelines, num_stages, **kwargs):
@@ -29,13 +31,15 @@ def make(name, S, M, B, **kw):
 @pytest.mark.parametrize("name,kw", SCHEDULES)
 @pytest.mark.parametrize("S,M,B", [(4, 4, 5), (3, 1, 6)])
 def test_unit_costs_reproduce_schedule(name, kw, S, M, B):
-  if name == "2bw" and M < S:
+  if name in ("2bw", "zb-async") and M < S:
     M = S
   s = make(name, S, M, B, **kw)
   # TiMePReSt's one backward covers M micro-batches: 1/M each is one tick.
   backward = 1.0 / M if s.backward_covers_minibatch else 1.0
-  r = sp.sim.simulate(s, free_cluster(1, S),
-                      sp.sim.StageCosts.uniform(S, 1.0, backward))
+  # A split backward: one tick of input gradient, one of weight gradient.
+  costs = (sp.sim.StageCosts.uniform(S, 1.0, 2.0, weight_gradient=1.0)
+           if name in SPLIT else sp.sim.StageCosts.uniform(S, 1.0, backward))
+  r = sp.sim.simulate(s, free_cluster(1, S), costs)
   assert r.makespan == pytest.approx(s.num_ticks)
   assert r.idle.sum() / (S * r.makespan) == pytest.approx(s.bubble_fraction)
   for k, t in enumerate(s.tasks):
@@ -55,6 +59,35 @@ def test_gpipe_closed_form(S, M, B):
   r = sp.sim.simulate(s, free_cluster(1, S),
                       sp.sim.StageCosts.uniform(S, tf, tb))
   assert r.makespan == pytest.approx(B * (M + S - 1) * (tf + tb))
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zb-h1", "zb-h2", "zb-async"])
+@pytest.mark.parametrize("tf,tb,tw", [(1.0, 1.0, 1.0), (1.0, 1.0, 0.5),
+                                      (1.0, 1.5, 0.5), (1.0, 1.2, 0.8)])
+@pytest.mark.parametrize("S,M", [(3, 6), (4, 8), (5, 12)])
+def test_zero_bubble_steady_idle_matches_table_2(name, tf, tb, tw, S, M):
+  """Idle time per stage and minibatch between updates in the steady state,
+  with T_B the input gradient and T_W the weight gradient (Qi et al, Table
+  2); the asynchronous schedule has none (no flush)."""
+  B = 8
+  s = make(name, S, M, B)
+  costs = sp.sim.StageCosts.uniform(S, tf, tb + tw, weight_gradient=tw)
+  r = sp.sim.simulate(s, free_cluster(1, S), costs)
+  period = (r.applied[:, B - 2].max() - r.applied[:, 2].max()) / (B - 4)
+  want = (0.0 if name == "zb-async" else
+          sp.theory.zero_bubble_bubble_size(name, S, tf, tb, tw))
+  assert period - M * (tf + tb + tw) == pytest.approx(want)
+
+
+def test_split_costs():
+  c = sp.sim.StageCosts((1.0, 2.0), (3.0, 4.0), weight_gradient=(1.0, 0.0))
+  seconds = {k: [c.seconds(sp.schedules.kinds.kind(k), s) for s in range(2)]
+             for k in ("F", "B", "FB", "BI", "BW")}
+  assert seconds == {"F": [1.0, 2.0], "B": [3.0, 4.0], "FB": [4.0, 6.0],
+                     "BI": [2.0, 4.0], "BW": [1.0, 0.0]}
+  with pytest.raises(ValueError, match=r"weight_gradient=5.0 of stage 1 is "
+                     r"invalid; it must be in \[0, backward=4.0\]"):
+    sp.sim.StageCosts((1.0, 2.0), (3.0, 4.0), weight_gradient=(1.0, 5.0))
 
 
 def test_heterogeneous_speeds_flow_shop_and_bottleneck():
@@ -318,7 +351,7 @@ def test_bad_inputs_raise():
 @pytest.mark.parametrize("name,kw", SCHEDULES)
 @pytest.mark.parametrize("S,M", [(3, 3), (4, 1)])
 def test_tile_equals_building_directly(name, kw, S, M):
-  if name == "2bw" and M < S:
+  if name in ("2bw", "zb-async") and M < S:
     M = S
   short = make(name, S, M, 3 * S + 6, **kw)
   tiled = sp.sim.tile(short, 31)

@@ -106,10 +106,62 @@ def test_pipedream_forms_match_the_schedules():
   assert max(two.stash_depth) == theory.PIPEDREAM_2BW_VERSIONS
 
 
+def zero_bubble_grid_makespan(S, M, extra_warmup):
+  """Ticks of a NumPy rendering of Qi et al's Figure 3 layouts, unit costs.
+
+  Stage s runs its 3M tasks back to back from tick s (the last stage never
+  waits), except that every stage but the last first waits for its first
+  input gradient: stage s starts S - s + extra_warmup forwards, then idles
+  until the BI of micro-batch 0 arrives at tick 2(S - 1) - s + 1, unless the
+  warm-up forwards already reach it (ZB-H2: extra_warmup = S - s - 1).
+  """
+  end = 0
+  for s in range(S):
+    warm = min(M, S - s + extra_warmup(s))
+    first_bi = 2 * (S - 1) - s + 1
+    idle = max(0, first_bi - (s + warm))
+    grid = np.zeros(s + 3 * M + idle + 1, dtype=bool)
+    grid[s:s + warm] = True
+    grid[s + warm + idle:s + 3 * M + idle] = True
+    end = max(end, int(np.flatnonzero(grid)[-1]) + 1)
+  return end
+
+
+@FAST
+@given(S=st.integers(1, 10), extra=st.integers(0, 10))
+def test_zero_bubble_makespans(S, extra):
+  M = 2 * S - 1 + extra
+  assert theory.zero_bubble_h1_makespan(S, M) == zero_bubble_grid_makespan(
+      S, M, lambda s: 0)
+  assert theory.zero_bubble_h2_makespan(S, M) == zero_bubble_grid_makespan(
+      S, M, lambda s: S - s - 1)
+  for B in (1, 3):  # Table 2's idle time per stage and minibatch
+    assert theory.zero_bubble_h1_makespan(S, M, B) == B * (
+        3 * M + theory.zero_bubble_bubble_size("zb-h1", S))
+    assert theory.one_f_one_b_split_makespan(S, M, B) == B * (
+        3 * M + theory.zero_bubble_bubble_size("1f1b", S))
+    assert theory.zero_bubble_bubble_size("zb-h2", S) == 0
+  h1 = theory.zero_bubble_h1_makespan(S, M)
+  assert theory.zero_bubble_h1_bubble(S, M) == pytest.approx(1 - 3 * M / h1)
+  assert theory.gpipe_bubble(S, M) == pytest.approx(
+      1 - 3 * M / theory.one_f_one_b_split_makespan(S, M))
+  for s in range(S):  # Table 2's peaks, in units of M_B with M_W <= M_B
+    b1, w1 = theory.zero_bubble_activations("zb-h1", S, s)
+    b2, w2 = theory.zero_bubble_activations("zb-h2", S, s)
+    assert (b1 + w1, b2 + w2) == (S, 2 * S - 1)
+    assert b1 == theory.zero_bubble_activations("1f1b", S, s)[0] == S - s
+
+
 @pytest.mark.parametrize("fn,args", [
     (theory.wsp_global_staleness, (-1, 3)),
     (theory.timeprest_version_difference, (4, 0.5)),
     (theory.hetpipe_version, (3, -2)),
+    (theory.zero_bubble_h1_makespan, (4, 3)),
+    (theory.zero_bubble_h2_makespan, (4, 6)),
+    (theory.one_f_one_b_split_makespan, (4, 8, 0)),
+    (theory.zero_bubble_bubble_size, ("gpipe", 4)),
+    (theory.zero_bubble_bubble_size, ("zb-h1", 4, -1.0)),
+    (theory.zero_bubble_activations, ("zb-h2", 4, 4)),
 ])
 def test_bad_input_raises(fn, args):
   with pytest.raises(ValueError, match="is invalid"):

@@ -22,6 +22,9 @@ from stalepipe.schedules.render import chrome_trace
 from stalepipe.schedules.render import gantt_png
 from stalepipe.schedules.render import schedule_events
 from stalepipe.schedules.timeprest import timeprest
+from stalepipe.schedules.zero_bubble import zb_async
+from stalepipe.schedules.zero_bubble import zb_h1
+from stalepipe.schedules.zero_bubble import zb_h2
 
 _REGISTRY = {
     "gpipe": gpipe,
@@ -30,6 +33,9 @@ _REGISTRY = {
     "2bw": pipedream_2bw,
     "hetpipe": hetpipe,
     "timeprest": timeprest,
+    "zb-h1": zb_h1,
+    "zb-h2": zb_h2,
+    "zb-async": zb_async,
 }
 
 

@@ -5,6 +5,7 @@
 
 prints the task table (stages as rows, ticks as columns; `F3.1` is the
 forward of minibatch 3 micro-batch 1, `B3` a backward, `FB3` a fused one,
+`BI3.1` / `BW3.1` the input- and weight-gradient parts of a split backward,
 `.` an idle tick), the version map and the derived figures; `--png` writes a
 Gantt chart, `--trace` a Chrome/Perfetto trace.
 """
@@ -64,11 +65,14 @@ def main(argv=None) -> int:
   show.add_argument("--stages", type=int, default=4)
   show.add_argument("--microbatches", type=int, default=1)
   show.add_argument("--minibatches", type=int, default=None,
-                    help="default: 1 for gpipe and 1f1b, else 2 * stages")
+                    help="default: 1 for the synchronous gpipe, 1f1b, zb-h1 "
+                    "and zb-h2, else 2 * stages")
   show.add_argument("--concurrent-minibatches", type=int, default=None,
                     help="hetpipe's N_m (default: stages)")
   show.add_argument("--vertical-sync", action="store_true",
                     help="pipedream with vertical sync")
+  show.add_argument("--no-weight-stashing", action="store_true",
+                    help="pipedream: a backward reads the latest weights")
   show.add_argument("--png", help="write a Gantt chart to this PNG file")
   show.add_argument("--trace", help="write a Chrome/Perfetto JSON trace")
   args = parser.parse_args(argv)
@@ -79,8 +83,10 @@ def main(argv=None) -> int:
                                         or args.stages)
   if args.name == "pipedream":
     kwargs["vertical_sync"] = args.vertical_sync
+    kwargs["weight_stashing"] = not args.no_weight_stashing
   minibatches = args.minibatches or (
-      1 if args.name in ("gpipe", "1f1b") else 2 * args.stages)
+      1 if args.name in ("gpipe", "1f1b", "zb-h1", "zb-h2")
+      else 2 * args.stages)
   try:
     schedule = schedules.make(args.name, num_stages=args.stages,
                               num_microbatches=args.microbatches,

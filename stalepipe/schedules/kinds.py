@@ -20,10 +20,10 @@ produces a weight gradient (`closes_update`). A micro-batch is held on a stage
 from the start of its first task there to the end of its last.
 
 Examples:
-  >>> KINDS["B"].produces
-  frozenset({'input_cotangent', 'weight_gradient'})
+  >>> sorted(KINDS["B"].produces)
+  ['input_cotangent', 'weight_gradient']
   >>> [k.name for k in KINDS.values() if k.closes_update]
-  ['B', 'FB']
+  ['B', 'FB', 'BW']
 """
 
 from typing import NamedTuple
@@ -76,6 +76,13 @@ KINDS = {k.name: k for k in (
           {INPUT_COTANGENT, WEIGHT_GRADIENT}, "#93c47d"),
     _kind("FB", "forward+backward", 2, {INPUT},
           {OUTPUT, INPUT_COTANGENT, WEIGHT_GRADIENT}, "#76b7b2"),
+    # Zero-bubble's split backward (Qi et al, ICLR 2024, §2: "B" and "W"):
+    # the previous stage waits for the input gradient only; the weight
+    # gradient may run any time later, filling bubbles.
+    _kind("BI", "input gradient", 1, {INPUT, OUTPUT_COTANGENT},
+          {INPUT_COTANGENT}, "#38761d"),
+    _kind("BW", "weight gradient", 1, {INPUT, OUTPUT_COTANGENT},
+          {WEIGHT_GRADIENT}, "#b6d7a8"),
 )}
 
 

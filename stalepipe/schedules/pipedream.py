@@ -13,10 +13,20 @@ With `vertical_sync=True`, every stage reads the version the first stage read
 when the micro-batch entered the pipeline, :math:`\\max(0, p - S + 1)`, one
 consistent version across stages (PipeDream §3.3, which HetPipe builds on).
 
+With `weight_stashing=False`, a backward reads the stage's latest weights at
+its own start instead of its forward's: all updates of the minibatches
+before it, version :math:`p`, since a stage runs its backwards in minibatch
+order. Forward and backward then see different weights, the setting PipeMare
+and SpecTrain start from (and correct for); the schedule's ticks do not
+change.
+
 References:
   Narayanan et al, PipeDream: Generalized Pipeline Parallelism for DNN
   Training <https://arxiv.org/abs/1806.03377>, 2019 (§3.3 weight stashing,
-  vertical sync)
+  vertical sync); Yang et al, PipeMare: Asynchronous Pipeline Parallel DNN
+  Training <https://arxiv.org/abs/1910.05124>, 2021; Chen et al, Efficient
+  and Robust Parallel DNN Training through Model Parallelism on Multi-GPU
+  Platform (SpecTrain) <https://arxiv.org/abs/1809.02839>, 2018
 """
 
 from stalepipe.schedules import greedy
@@ -25,7 +35,8 @@ from stalepipe.schedules.core import Schedule
 
 def pipedream(num_stages: int, num_microbatches: int,
               num_minibatches: int = 1, *,
-              vertical_sync: bool = False) -> Schedule:
+              vertical_sync: bool = False,
+              weight_stashing: bool = True) -> Schedule:
   """Builds the asynchronous PipeDream (1F1B, weight stashing) schedule.
 
   Micro-batches of one minibatch accumulate into one update per stage, applied
@@ -38,6 +49,8 @@ def pipedream(num_stages: int, num_microbatches: int,
     num_microbatches: M, micro-batches per minibatch (PipeDream itself: 1).
     num_minibatches: B, minibatches in the table.
     vertical_sync: read stage 0's version on every stage.
+    weight_stashing: a backward reads its forward's version; if False, the
+      stage's latest version at its start.
 
   Returns:
     The schedule.
@@ -51,6 +64,8 @@ def pipedream(num_stages: int, num_microbatches: int,
   """
 
   def version(task, view):
+    if task.kind == "B" and not weight_stashing:
+      return view.applied[task.stage]
     if task.kind == "B":
       return view.versions[(task.minibatch, task.stage, "F", task.microbatch)]
     if vertical_sync and task.stage > 0:

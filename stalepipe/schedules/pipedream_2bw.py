@@ -7,10 +7,13 @@ update is delayed by exactly one:
 
 .. math:: W^{(t+1)} = W^{(t)} - \\nu \\nabla f(W^{(t-1)}).
 
-2BW needs :math:`M \\ge S` (the paper's :math:`m \\ge d`): then version
-:math:`p - 1` is always there when minibatch :math:`p` enters, the pipeline
-never stalls and the steady state repeats every minibatch. Smaller :math:`M`
-is rejected.
+With :math:`M \\ge S` (the paper's :math:`m \\ge d`) version :math:`p - 1` is
+always there when minibatch :math:`p` enters, and the pipeline never stalls.
+:math:`M = S - 1` is accepted too: version
+:math:`p - 1` is then applied on stage 0 at the very tick minibatch :math:`p`
+needs it, so the version map, the two versions per stage and the
+bubble-free steady state (one minibatch every :math:`2M` ticks) hold as for
+:math:`M \\ge S`. Smaller :math:`M` is rejected.
 
 References:
   Narayanan et al, Memory-Efficient Pipeline-Parallel DNN Training
@@ -27,7 +30,7 @@ def pipedream_2bw(num_stages: int, num_microbatches: int,
 
   Args:
     num_stages: S, pipeline stages.
-    num_microbatches: M, micro-batches per minibatch, at least S.
+    num_microbatches: M, micro-batches per minibatch, at least S - 1.
     num_minibatches: B, minibatches in the table.
 
   Returns:
@@ -38,9 +41,9 @@ def pipedream_2bw(num_stages: int, num_microbatches: int,
     >>> [s.version(p, 0, "F") for p in range(6)], s.stash_depth
     ([0, 0, 1, 2, 3, 4], (2, 2, 2, 2))
   """
-  if num_microbatches < num_stages:
+  if num_microbatches < num_stages - 1:
     raise ValueError(f"num_microbatches={num_microbatches} is invalid for 2bw "
-                     f"with {num_stages} stages; it must be >= num_stages")
+                     f"with {num_stages} stages; it must be >= num_stages - 1")
   rules = greedy.Rules(version=lambda task, view: max(0, task.minibatch - 1),
                        priority="backward",
                        cap=lambda stage: num_stages - stage)

@@ -8,10 +8,11 @@ one node talk over the intra-node link (PCIe), devices on different nodes
 over the inter-node link (InfiniBand, Ethernet), as in seed 001 §8.1.
 
 The cost model gives, per stage, the forward and backward seconds of one
-micro-batch on the reference device, the bytes of the activation a stage sends
-to the next (the gradient sent back has the same size), the bytes of the
-stage's parameters (what a sync policy moves) and the optimizer step's
-seconds.
+micro-batch on the reference device, the part of the backward that computes
+the weight gradient (what zero-bubble schedules split off), the bytes of the
+activation a stage sends to the next (the gradient sent back has the same
+size), the bytes of the stage's parameters (what a sync policy moves) and the
+optimizer step's seconds.
 """
 
 import dataclasses
@@ -19,6 +20,8 @@ import math
 from typing import Sequence
 
 import numpy as np
+
+from stalepipe.schedules import kinds as kinds_lib
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,7 +172,14 @@ class StageCosts:
 
   Attributes:
     forward: seconds of one micro-batch's forward, per stage.
-    backward: seconds of one micro-batch's backward, per stage.
+    backward: seconds of one micro-batch's whole backward, per stage.
+    weight_gradient: the part of `backward` that computes the weight gradient,
+      per stage, in `[0, backward]` (default 0). An unsplit backward ("B")
+      costs `backward`; split, its input-gradient task ("BI") costs
+      `backward - weight_gradient` and its weight-gradient task ("BW")
+      `weight_gradient` (Qi et al, ICLR 2024, §2.3: T_B and T_W). Zero-bubble
+      papers' unit costs T_F = T_B = T_W = 1 are `forward=1, backward=2,
+      weight_gradient=1`.
     activation_bytes: bytes stage `s` sends to stage `s+1` per micro-batch
       (the last entry, the loss side, is ignored).
     param_bytes: bytes of each stage's parameters (what syncs move).
@@ -179,6 +189,7 @@ class StageCosts:
 
   forward: tuple[float, ...]
   backward: tuple[float, ...]
+  weight_gradient: tuple[float, ...] = ()
   activation_bytes: tuple[float, ...] = ()
   param_bytes: tuple[float, ...] = ()
   update: tuple[float, ...] = ()
@@ -186,7 +197,8 @@ class StageCosts:
 
   def __post_init__(self):
     S = len(self.forward)
-    for name in ("backward", "activation_bytes", "param_bytes", "update"):
+    for name in ("backward", "weight_gradient", "activation_bytes",
+                 "param_bytes", "update"):
       value = getattr(self, name)
       if not value:
         object.__setattr__(self, name, (0.0,) * S)
@@ -195,6 +207,10 @@ class StageCosts:
                          f"per stage ({S})")
     if min(self.forward + self.backward + self.update) < 0:
       raise ValueError("forward, backward and update seconds must be >= 0")
+    for s, (w, b) in enumerate(zip(self.weight_gradient, self.backward)):
+      if not 0 <= w <= b:
+        raise ValueError(f"weight_gradient={w!r} of stage {s} is invalid; it "
+                         f"must be in [0, backward={b!r}]")
 
   @classmethod
   def uniform(cls, num_stages: int, forward: float = 1.0,
@@ -215,3 +231,25 @@ class StageCosts:
   @property
   def num_stages(self) -> int:
     return len(self.forward)
+
+  def seconds(self, kind: kinds_lib.TaskKind, stage: int) -> float:
+    """Seconds of one micro-batch's task of `kind` on `stage`.
+
+    Asks the kind what it computes: the forward if it produces the output,
+    the input-gradient part of the backward if it produces the input
+    cotangent, the weight-gradient part if it produces the weight gradient.
+
+    Examples:
+      >>> c = StageCosts.uniform(1, forward=1.0, backward=3.0,
+      ...                        weight_gradient=1.0)
+      >>> [c.seconds(kinds_lib.kind(k), 0) for k in ("F", "B", "BI", "BW")]
+      [1.0, 3.0, 2.0, 1.0]
+    """
+    out = 0.0
+    if kind.runs_forward:
+      out += self.forward[stage]
+    if kinds_lib.INPUT_COTANGENT in kind.produces:
+      out += self.backward[stage] - self.weight_gradient[stage]
+    if kinds_lib.WEIGHT_GRADIENT in kind.produces:
+      out += self.weight_gradient[stage]
+    return out

@@ -87,9 +87,7 @@ def _compile(schedule: core.Schedule, costs: cluster_lib.StageCosts) -> _Plan:
     if first_task[s, p] < 0:
       first_task[s, p], first[i] = i, True
     kind, covered = schedule.kind(t), schedule.covered_microbatches(t)
-    base[i] = ((costs.forward[s] if kind.runs_forward else 0.0)
-               + (costs.backward[s] * len(covered) if kind.runs_backward
-                  else 0.0))
+    base[i] = costs.seconds(kind, s) * len(covered)
     if kind.runs_forward and s > 0:
       dep, plan["boundary"][i], volume[i] = fwd.get((p, m, s - 1)), s - 1, 1
     elif kinds.OUTPUT_COTANGENT in kind.consumes and s < S - 1:
@@ -231,9 +229,9 @@ class SimResult:
       until: leave out events starting at or after this time.
 
     Returns:
-      Tasks ("F", "B", "FB"), updates ("U"), communication ("C"), waits
-      for a sync, a version or a gate ("W") and injected straggler sleeps
-      ("W" labelled "sleep"), one row per device.
+      Tasks (their kind's name: "F", "B", "BI", ...), updates ("U"),
+      communication ("C"), waits for a sync, a version or a gate ("W") and
+      injected straggler sleeps ("W" labelled "sleep"), one row per device.
     """
     # pylint: disable-next=g-import-not-at-top
     from stalepipe.schedules import render
