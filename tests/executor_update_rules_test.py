@@ -74,18 +74,23 @@ _RULES = {
     "pipemare": lambda D: sp.optim.PipeMare(optax.sgd(0.3), warmup_steps=4,
                                             decay=0.5),
 }
-# (rule, schedule, S, D): WP where SAPipe runs it (flush schedules, data
-# parallel); SpecTrain and PipeMare on asynchronous pipelines, PipeMare where
-# a backward reads newer weights than its forward (nF1B: since_forward > 0).
-_CASES = [("wp1", "gpipe", 1, 4), ("wp2", "1f1b", 2, 2), ("wp3", "gpipe", 2, 2),
-          ("wp3", "gpipe", 1, 4), ("spectrain", "pipedream", 3, 1),
-          ("pipemare", "timeprest", 3, 1), ("pipemare", "pipedream", 2, 2)]
+_NO_STASH = {"weight_stashing": False}
+# (rule, schedule, options, S, D): WP where SAPipe runs it (flush schedules,
+# data parallel); SpecTrain and PipeMare on asynchronous pipelines without
+# weight stashing (their setting), where a backward reads newer weights than
+# its forward (since_forward > 0), and PipeMare on nF1B.
+_CASES = [("wp1", "gpipe", {}, 1, 4), ("wp2", "1f1b", {}, 2, 2),
+          ("wp3", "gpipe", {}, 2, 2), ("wp3", "gpipe", {}, 1, 4),
+          ("spectrain", "pipedream", _NO_STASH, 3, 1),
+          ("spectrain", "pipedream", {}, 3, 2),
+          ("pipemare", "timeprest", {}, 3, 1),
+          ("pipemare", "pipedream", _NO_STASH, 3, 2)]
 
 
-@pytest.mark.parametrize("rule,name,S,D", _CASES)
-def test_update_rule_executor_equals_oracle(rule, name, S, D):
+@pytest.mark.parametrize("rule,name,options,S,D", _CASES)
+def test_update_rule_executor_equals_oracle(rule, name, options, S, D):
   schedule = sp.schedules.make(name, num_stages=S, num_microbatches=2,
-                               num_minibatches=2)
+                               num_minibatches=2, **options)
   staged, got = _run_both(schedule, _RULES[rule](D), D)
   # The rule really acts: without it (its inner optimizer) the run differs.
   inner = optax.sgd(0.3, 0.9) if rule != "pipemare" else optax.sgd(0.3)

@@ -134,6 +134,11 @@ class WeightPrediction:
     self._dc = dict(lam=lam, form=form, adaptive=adaptive, eps=eps)
     self._mask = mask
 
+  @property
+  def num_workers(self) -> int:
+    """:math:`n`, the data-parallel workers whose gradients are averaged."""
+    return self._num_workers
+
   def _stale_mask(self, tree):
     if self._mask is None:
       return jax.tree.map(lambda _: True, tree)

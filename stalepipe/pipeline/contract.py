@@ -52,6 +52,12 @@ def check(stage_fns, schedule, optimizer, sync, num_replicas: int) -> None:
     raise ValueError(f"WSP waves of {sync.wave} minibatches do not fit the "
                      f"schedule's concurrent_minibatches={concurrent}; "
                      "valid: equal (a wave is N_m minibatches)")
+  workers = getattr(optimizer, "num_workers", None)
+  averaged = num_replicas if sync.average_gradients else 1
+  if workers is not None and workers != averaged:
+    raise ValueError(f"optimizer's num_workers={workers} does not fit the "
+                     f"{averaged} replica(s) whose gradients the sync policy "
+                     f"{sync.name!r} averages; valid: num_workers={averaged}")
   if not callable(getattr(optimizer, "update", None)) or not callable(
       getattr(optimizer, "init", None)):
     raise ValueError(f"optimizer {optimizer!r} is invalid; valid: an optax "
