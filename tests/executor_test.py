@@ -120,3 +120,48 @@ def test_stash_ring_is_as_deep_as_the_schedule_needs():
     stream = schedule.with_minibatches(12)
     assert program.num_versions == max(stream.stash_depth), name
     assert program.num_slots == max(stream.max_in_flight), name
+
+
+_KEEPS = ["gpipe", "1f1b", "pipedream", "2bw", "hetpipe", "zb-h1", "zb-h2",
+          "zb-async"]
+
+
+@pytest.mark.parametrize("name", _KEEPS)
+def test_residuals_equal_recompute_and_the_oracle(name):
+  """remat='residuals' (the forward's pullback kept) computes what the
+  oracle computes by recomputing, for every schedule that can keep them."""
+  S = 3
+  M = S if name in ("2bw", "zb-async") else 2
+  staged = sp.models.split(sp.models.mlp(8, 6, S - 1, 4, seed=9), S)
+  schedule = _make(name, S, M, 2)
+  mesh = jax.make_mesh((2, S), ("data", "stage"))
+  ex = executor.Pipeline(staged.stage_fns, classification_loss, schedule,
+                         optax.sgd(0.5), mesh, remat="residuals")
+  ref = reference.Pipeline(staged.stage_fns, classification_loss, schedule,
+                           optax.sgd(0.5), num_replicas=2)
+  es, rs = ex.init(staged.stage_params), ref.init(staged.stage_params)
+  for x, y in _windows(3, 2, M, 4, 8, 4):
+    es, em = ex.step(es, x, y)
+    rs, rm = ref.step(rs, x, y)
+    if rm["num_losses"]:
+      np.testing.assert_allclose(em["loss"], rm["loss"], rtol=RTOL)
+  _assert_trees_close(ex.params(es), ref.params(rs))
+  assert es.buffers.residuals  # something was kept
+
+
+def test_residuals_are_refused_where_the_backward_reads_other_weights():
+  staged = sp.models.split(sp.models.mlp(8, 6, 2, 4), 3)
+  mesh = jax.make_mesh((1, 3), ("data", "stage"))
+  with pytest.raises(ValueError, match="runs B of minibatch .* on newer weights"):
+    executor.Pipeline(staged.stage_fns, classification_loss,
+                      _make("timeprest", 3, 2, 2), optax.sgd(0.1), mesh,
+                      remat="residuals")
+  with pytest.raises(ValueError, match="remat='keep' is invalid"):
+    executor.Pipeline(staged.stage_fns, classification_loss,
+                      _make("gpipe", 3, 2, 2), optax.sgd(0.1), mesh,
+                      remat="keep")
+  with pytest.raises(ValueError, match="optimizer predicts"):
+    executor.Pipeline(staged.stage_fns, classification_loss,
+                      _make("gpipe", 3, 2, 2),
+                      sp.optim.SpecTrain(optax.sgd(0.1)), mesh,
+                      remat="residuals")

@@ -45,6 +45,7 @@ from stalepipe.pipeline import contract
 from stalepipe.pipeline import dispatch
 from stalepipe.pipeline import packing
 from stalepipe.pipeline import program as program_lib
+from stalepipe.pipeline import residuals as residuals_lib
 from stalepipe.pipeline import tick as tick_lib
 from stalepipe.pipeline.state import (Buffers, InputHistory, PipelineState,
                                       TickCarry, WeightRing, local, unlocal)
@@ -120,6 +121,9 @@ class Pipeline:
     mesh: a mesh with axes ('data', 'stage'); its 'stage' size must be S.
     sync: what crosses the 'data' axis (`stalepipe.sync`); default BSP.
     lowering: how a tick dispatches each stage's task (`dispatch.LOWERINGS`).
+    remat: "recompute" (a backward task recomputes the forward from the kept
+      input) or "residuals" (the forward keeps `jax.vjp`'s residuals for the
+      backward tasks; `residuals.py`).
 
   Examples:
     >>> import jax, optax, stalepipe as sp
@@ -136,7 +140,7 @@ class Pipeline:
   def __init__(self, stage_fns: Sequence[Callable], loss_fn: Callable,
                schedule: Schedule, optimizer: optax.GradientTransformation,
                mesh: Mesh, sync: sync_lib.SyncPolicy | None = None,
-               lowering: str = "nested_switch"):
+               lowering: str = "nested_switch", remat: str = "recompute"):
     if tuple(mesh.axis_names) != (DATA, STAGE):
       raise ValueError(f"mesh axes {tuple(mesh.axis_names)} are invalid; "
                        f"valid: ({DATA!r}, {STAGE!r})")
@@ -145,6 +149,8 @@ class Pipeline:
                        f"{schedule.num_stages} stages; valid: equal sizes")
     sync = sync or sync_lib.bsp(mesh.shape[DATA])
     contract.check(stage_fns, schedule, optimizer, sync, mesh.shape[DATA])
+    residuals_lib.check(remat, schedule, optimizer)
+    self.remat = remat
     self.stage_fns = tuple(stage_fns)
     self.loss_fn = loss_fn
     self.schedule = schedule
@@ -267,7 +273,7 @@ class Pipeline:
   def _step_fn(self, inputs, targets) -> Callable:
     key = (inputs.shape, inputs.dtype, targets.shape, targets.dtype)
     if key not in self._steps:
-      self._steps[key] = self._build_step(inputs)
+      self._steps[key] = self._build_step(inputs, targets)
     return self._steps[key]
 
   def step(self, state: PipelineState, inputs, targets):
@@ -311,17 +317,23 @@ class Pipeline:
       self._static_plan = plan
     return plan
 
-  def _stages(self, inputs) -> tick_lib.Stages:
-    """What the tick functions know statically, for inputs like `inputs`."""
+  def _stages(self, inputs, targets) -> tick_lib.Stages:
+    """What the tick functions know statically, for windows of this shape."""
     b = inputs.shape[2] // self.num_replicas
     x = jax.ShapeDtypeStruct((b,) + inputs.shape[3:], inputs.dtype)
-    boundary = []
+    stage_inputs = [x]
     for fn, params in zip(self.stage_fns[:-1], self._param_packing.trees):
-      x = jax.eval_shape(fn, params, x)
-      boundary.append(x)
+      stage_inputs.append(jax.eval_shape(fn, params, stage_inputs[-1]))
+    boundary = stage_inputs[1:]
     width = max([int(np.prod(s.shape[1:])) for s in boundary] + [1])
     dtype = (jnp.result_type(*[s.dtype for s in boundary]) if boundary
              else jnp.float32)
+    layout = None
+    if self.remat == "residuals":
+      target = jax.ShapeDtypeStruct((b,) + targets.shape[3:], targets.dtype)
+      layout = residuals_lib.analyse(self.stage_fns, self.loss_fn,
+                                     self._param_packing.trees, stage_inputs,
+                                     target)
     return tick_lib.Stages(
         fns=self.stage_fns, loss_fn=self.loss_fn, params=self._param_packing,
         opt=self._opt_packing, optimizer=self.optimizer, sync=self.sync,
@@ -329,23 +341,27 @@ class Pipeline:
         buffer_shape=(b, width), buffer_dtype=dtype,
         num_microbatches=self.schedule.num_microbatches,
         window_minibatches=self.schedule.num_minibatches,
-        lowering=self.lowering)
+        lowering=self.lowering, residuals=layout)
 
   def _allocate(self, state, inputs, targets) -> PipelineState:
     """Zero activation buffers and input history, on first use."""
-    ctx = self._stages(inputs)
+    ctx = self._stages(inputs, targets)
     D, S, C = self.num_replicas, len(self.stage_fns), self.program.num_slots
-    buffers = lambda: self._put(  # pylint: disable=unnecessary-lambda-assignment
-        np.zeros((D, S, C) + ctx.buffer_shape, ctx.buffer_dtype), _PER_DEVICE)
+    zeros = lambda shape, dtype: self._put(  # pylint: disable=unnecessary-lambda-assignment
+        np.zeros((D, S, C) + shape, dtype), _PER_DEVICE)
+    kept = {} if ctx.residuals is None else {
+        k: zeros((n,), k) for k, n in ctx.residuals.packing.lengths.items()}
     H, B = self.program.history, self.schedule.num_minibatches
     past = lambda x: self._put(np.zeros((H * B,) + x.shape[1:], x.dtype),  # pylint: disable=unnecessary-lambda-assignment
                                _WINDOW)
-    return state._replace(buffers=Buffers(buffers(), buffers()),
-                          history=InputHistory(past(inputs), past(targets)))
+    return state._replace(
+        buffers=Buffers(zeros(ctx.buffer_shape, ctx.buffer_dtype),
+                        zeros(ctx.buffer_shape, ctx.buffer_dtype), kept),
+        history=InputHistory(past(inputs), past(targets)))
 
-  def _build_step(self, inputs) -> Callable:
-    """The jitted window step for inputs shaped like `inputs`."""
-    ctx = self._stages(inputs)
+  def _build_step(self, inputs, targets) -> Callable:
+    """The jitted window step for windows shaped like these."""
+    ctx = self._stages(inputs, targets)
 
     @functools.partial(jax.jit, donate_argnums=(0,))
     def step_fn(state, inputs, targets, tables, plan):

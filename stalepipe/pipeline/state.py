@@ -26,6 +26,8 @@ class Buffers(NamedTuple):
 
   acts: jax.Array  # [D, S, C, b, A]: a stage's inputs, kept for the backward
   cots: jax.Array  # [D, S, C, b, A]: its output cotangents, until used
+  residuals: packing.Flat  # dtype -> [D, S, C, L_res]: the forward's
+  #   residuals (`residuals.py`); empty with remat="recompute"
 
 
 class InputHistory(NamedTuple):

@@ -32,6 +32,7 @@ from stalepipe import sync as sync_lib
 from stalepipe.pipeline import contract
 from stalepipe.pipeline import packing
 from stalepipe.pipeline import program as program_lib
+from stalepipe.pipeline import residuals as residuals_lib
 from stalepipe.pipeline.state import TickCarry, WeightRing
 from stalepipe.schedules import kinds as kinds_lib
 
@@ -54,6 +55,7 @@ class Stages(NamedTuple):
   num_microbatches: int  # M
   window_minibatches: int  # B
   lowering: Callable  # `dispatch.LOWERINGS` entry
+  residuals: residuals_lib.Layout | None  # remat="residuals"; None: recompute
 
   @property
   def num_stages(self) -> int:
@@ -130,8 +132,8 @@ def stage_input(ctx: Stages, s: int, carry: TickCarry, instr, window: Window,
   """The input of the task's micro-batch `offset` (nF1B: 0..M-1)."""
   if s == 0:
     return window.inputs[instr.minibatch, instr.microbatch + offset]
-  slot = (instr.slot + window.base + offset) % ctx.program.num_slots
-  return from_buffer(ctx, s, carry.buffers.acts[slot])
+  return from_buffer(ctx, s, carry.buffers.acts[slot_of(ctx, instr, window,
+                                                         offset)])
 
 
 def no_sends(ctx: Stages) -> Sends:
@@ -150,41 +152,79 @@ def idle(ctx: Stages, carry: TickCarry, instr, window: Window):
   return carry, no_sends(ctx)
 
 
+def slot_of(ctx: Stages, instr, window: Window, offset: int = 0):
+  """The buffer slot of the task's micro-batch `offset`."""
+  return (instr.slot + window.base + offset) % ctx.program.num_slots
+
+
 def forward(ctx: Stages, s: int, carry: TickCarry, instr, window: Window):
-  """F: the stage function; the output goes on, or the loss is taken."""
-  y = ctx.fns[s](task_weights(ctx, s, carry, instr),
-                 stage_input(ctx, s, carry, instr, window))
-  if s < ctx.num_stages - 1:
-    return carry, no_sends(ctx)._replace(forward=to_buffer(ctx, y))
-  loss = ctx.loss_fn(y, window.targets[instr.minibatch, instr.microbatch])
-  return add_losses(carry, loss, 1), no_sends(ctx)
+  """F: the stage function; the output goes on, or the loss is taken. With
+  remat="residuals" it runs `jax.vjp` and keeps the pullback's residuals."""
+  last = s == ctx.num_stages - 1
+  weights, x = (task_weights(ctx, s, carry, instr),
+                stage_input(ctx, s, carry, instr, window))
+  target = window.targets[instr.minibatch, instr.microbatch] if last else None
+  if ctx.residuals is None:
+    y = ctx.fns[s](weights, x)
+    out = ctx.loss_fn(y, target) if last else y
+  else:
+    out, pullback = jax.vjp(
+        residuals_lib.objective(ctx.fns[s], ctx.loss_fn, last, target),
+        weights, x)
+    row = residuals_lib.keep(ctx.residuals, s, pullback)
+    slot = slot_of(ctx, instr, window)
+    kept = {k: v.at[slot].set(row[k])
+            for k, v in carry.buffers.residuals.items()}
+    carry = carry._replace(buffers=carry.buffers._replace(residuals=kept))
+  if not last:
+    return carry, no_sends(ctx)._replace(forward=to_buffer(ctx, out))
+  return add_losses(carry, out, 1), no_sends(ctx)
+
+
+def gradients(ctx: Stages, s: int, kind: kinds_lib.TaskKind, carry: TickCarry,
+              instr, window: Window, weights, offset: int):
+  """One micro-batch's (weight gradient, input cotangent, loss) on stage s.
+
+  Recomputes the forward from the kept input, or (remat="residuals", a task
+  that does not run the forward) calls the pullback the forward kept. The
+  output's cotangent comes from the next stage, or on the last stage from
+  the loss, divided by M as the minibatch's mean.
+  """
+  last, M = s == ctx.num_stages - 1, ctx.num_microbatches
+  x = stage_input(ctx, s, carry, instr, window, offset)
+  slot = slot_of(ctx, instr, window, offset)
+  target = (window.targets[instr.minibatch, instr.microbatch + offset]
+            if last else None)
+  if ctx.residuals is not None and not kind.runs_forward:
+    row = {k: v[slot] for k, v in carry.buffers.residuals.items()}
+    pullback = residuals_lib.pullback(ctx.residuals, s, row, weights, x, target)
+    loss = jnp.zeros((), jnp.float32)
+  elif last:
+    loss, pullback = jax.vjp(
+        residuals_lib.objective(ctx.fns[s], ctx.loss_fn, True, target),
+        weights, x)
+  else:
+    loss, (_, pullback) = jnp.zeros((), jnp.float32), jax.vjp(ctx.fns[s],
+                                                             weights, x)
+  if last:
+    return (*pullback(jnp.asarray(1.0 / M, jnp.result_type(loss))), loss)
+  cotangent = from_buffer(ctx, s + 1, carry.buffers.cots[slot])
+  return (*pullback(cotangent), loss)
 
 
 def backward(ctx: Stages, s: int, kind: kinds_lib.TaskKind, carry: TickCarry,
              instr, window: Window):
-  """A task that produces gradients: the backward recomputes the forward
-  from the kept input, with the output's cotangent from the next stage (last
-  stage: from the loss, divided by M as the minibatch's mean). It adds the
-  weight gradient to the minibatch's and sends the input's cotangent back,
-  as far as the kind produces them."""
-  last, M = s == ctx.num_stages - 1, ctx.num_microbatches
+  """A task that produces gradients: it adds the weight gradient to the
+  minibatch's and sends the input's cotangent back, as far as its kind
+  produces them (nF1B: for every micro-batch of the minibatch)."""
   weights = task_weights(ctx, s, carry, instr)
   grads, sends, losses = None, [], jnp.zeros((), jnp.float32)
   for w in range(ctx.program.backward_width):
-    x = stage_input(ctx, s, carry, instr, window, w)
-    if last:
-      target = window.targets[instr.minibatch, instr.microbatch + w]
-      objective = lambda p, x: ctx.loss_fn(ctx.fns[s](p, x), target) / M  # pylint: disable=cell-var-from-loop
-      # Stage 0's input may be integer (token ids): no cotangent to send.
-      argnums = (0,) if s == 0 else (0, 1)
-      value, g = jax.value_and_grad(objective, argnums)(weights, x)
-      losses = losses + value * M
-    else:
-      slot = (instr.slot + window.base + w) % ctx.program.num_slots
-      _, vjp = jax.vjp(ctx.fns[s], weights, x)
-      g = vjp(from_buffer(ctx, s + 1, carry.buffers.cots[slot]))
-    grads = g[0] if grads is None else jax.tree.map(jnp.add, grads, g[0])
-    sends.append(to_buffer(ctx, g[1]) if s > 0 else no_sends(ctx).forward)
+    g_w, g_x, loss = gradients(ctx, s, kind, carry, instr, window, weights, w)
+    grads = g_w if grads is None else jax.tree.map(jnp.add, grads, g_w)
+    losses = losses + loss
+    # Stage 0's input may be integer (token ids): no cotangent to send.
+    sends.append(to_buffer(ctx, g_x) if s > 0 else no_sends(ctx).forward)
   if kinds_lib.WEIGHT_GRADIENT in kind.produces:
     packed = ctx.params.pack(s, grads)
     carry = carry._replace(grads={k: carry.grads[k] + packed[k]
@@ -227,7 +267,7 @@ def file_arrivals(ctx: Stages, carry: TickCarry, received: Sends, instr,
                   window: Window) -> TickCarry:
   """Files what arrived into the slots the stage's row names."""
   C = ctx.program.num_slots
-  acts, cots = carry.buffers
+  acts, cots = carry.buffers.acts, carry.buffers.cots
   at_f, at_b = instr.recv_forward, instr.recv_backward
   acts = jax.lax.cond(
       at_f >= 0, lambda: acts.at[(at_f + window.base) % C].set(received.forward),

@@ -1,0 +1,132 @@
+"""Keeping a forward's residuals for its backward tasks (`remat="residuals"`).
+
+By default (`remat="recompute"`) a backward task recomputes its stage's
+forward from the kept input, which costs a forward per backward task (36% of
+a backward on the benchmark MLP; twice over when zero-bubble splits the
+backward into input- and weight-gradient tasks). With `remat="residuals"` the
+forward runs `jax.vjp` instead and keeps the pullback's residuals in a buffer
+slot beside the input, and every backward task of that micro-batch calls the
+pullback on them: no forward is recomputed.
+
+The pullback of `jax.vjp` is a pytree whose leaves are its residuals. Leaves
+that are the stage's weights, its input or the target (the last stage's loss
+needs it) are not stored: the backward task reads them where they already
+are (the weight ring, the activation buffer, the window's targets). Only the
+other leaves (intermediate activations, masks) are stored, packed per dtype
+like the weights (`packing.Packing`), in `Buffers.residuals`, `[C, L_res]`
+per stage. Which leaf is which is found once, when the program is built, by
+tracing each stage's `jax.vjp` abstractly.
+
+The backward then differentiates at the forward's weights, so this needs
+every backward task to read the version its forward read, and no weight
+prediction between them; `check` refuses the rest.
+"""
+
+from typing import Any, Callable, NamedTuple, Sequence
+
+import jax
+import numpy as np
+
+from stalepipe.pipeline import packing
+
+REMATS = ("recompute", "residuals")
+WEIGHT, INPUT, TARGET, STORED = "weight", "input", "target", "stored"
+
+
+class Layout(NamedTuple):
+  """Each stage's pullback: its structure and where each leaf comes from."""
+
+  treedefs: tuple  # per stage, the pullback's pytree structure
+  sources: tuple  # per stage, per leaf: (WEIGHT|INPUT|TARGET|STORED, index)
+  packing: packing.Packing  # the stored leaves of every stage
+
+  @property
+  def bytes_per_slot(self) -> int:
+    """Bytes one micro-batch's stored residuals take in a buffer slot."""
+    return sum(n * np.dtype(k).itemsize
+               for k, n in self.packing.lengths.items())
+
+
+def objective(fn: Callable, loss_fn: Callable, last: bool, target) -> Callable:
+  """What the forward differentiates: the stage, or on the last stage its
+  loss (the scalar mean over the micro-batch)."""
+  if not last:
+    return fn
+  return lambda p, x: loss_fn(fn(p, x), target)
+
+
+def analyse(fns: Sequence[Callable], loss_fn: Callable, params: Sequence[Any],
+            inputs: Sequence[jax.ShapeDtypeStruct],
+            target: jax.ShapeDtypeStruct) -> Layout:
+  """Traces each stage's `jax.vjp` abstractly and sorts its residuals.
+
+  Args:
+    fns: the S stage functions.
+    loss_fn: the loss.
+    params: the S stages' weight pytrees (shapes matter).
+    inputs: the S stages' inputs, one micro-batch each.
+    target: one micro-batch's target.
+  """
+  treedefs, sources, stored = [], [], []
+  for s, (fn, p, x) in enumerate(zip(fns, params, inputs)):
+    found = {}
+
+    def trace(p, x, t, s=s, fn=fn, found=found):
+      last = s == len(fns) - 1
+      _, pullback = jax.vjp(objective(fn, loss_fn, last, t), p, x)
+      leaves, found["treedef"] = jax.tree.flatten(pullback)
+      known = ([(WEIGHT, j, w) for j, w in enumerate(jax.tree.leaves(p))]
+               + [(INPUT, 0, x), (TARGET, 0, t)])
+      found["sources"], found["stored"] = [], []
+      for leaf in leaves:
+        source = next(((kind, j) for kind, j, v in known if leaf is v), None)
+        if source is None:
+          source = (STORED, len(found["stored"]))
+          found["stored"].append(jax.ShapeDtypeStruct(leaf.shape, leaf.dtype))
+        found["sources"].append(source)
+
+    jax.eval_shape(trace, p, x, target)
+    treedefs.append(found["treedef"])
+    sources.append(tuple(found["sources"]))
+    stored.append(found["stored"])
+  return Layout(tuple(treedefs), tuple(sources), packing.Packing(stored))
+
+
+def keep(layout: Layout, s: int, pullback) -> packing.Flat:
+  """The stored leaves of stage s's pullback, packed into one slot's row."""
+  leaves = jax.tree.leaves(pullback)
+  return layout.packing.pack(s, [leaf for leaf, (kind, _) in
+                                 zip(leaves, layout.sources[s])
+                                 if kind == STORED])
+
+
+def pullback(layout: Layout, s: int, row: packing.Flat, weights, x,
+             target) -> Callable:
+  """Stage s's pullback, rebuilt from a slot's row and what is kept
+  elsewhere (the weights, the input, the target)."""
+  stored = layout.packing.unpack(s, row)
+  known = {WEIGHT: jax.tree.leaves(weights), INPUT: [x], TARGET: [target],
+           STORED: stored}
+  leaves = [known[kind][j] for kind, j in layout.sources[s]]
+  return jax.tree.unflatten(layout.treedefs[s], leaves)
+
+
+def check(remat: str, schedule, optimizer) -> None:
+  """Refuses a remat choice the schedule or update rule cannot run as asked."""
+  if remat not in REMATS:
+    raise ValueError(f"remat={remat!r} is invalid; valid: "
+                     f"{', '.join(REMATS)}")
+  if remat == "recompute":
+    return
+  if callable(getattr(optimizer, "predict", None)):
+    raise ValueError("remat='residuals' differentiates at the forward's "
+                     "weights, but the optimizer predicts the weights each "
+                     "task reads; valid: remat='recompute'")
+  stream = schedule.with_minibatches(4 * schedule.num_minibatches)
+  for t in stream.tasks:
+    if stream.kind(t).runs_backward and stream.since_forward(t):
+      raise ValueError(
+          f"remat='residuals' differentiates at the forward's weights, but "
+          f"schedule {schedule.name!r} runs {t.kind} of minibatch "
+          f"{t.minibatch} on stage {t.stage} on newer weights than its "
+          "forward; valid: remat='recompute'")
