@@ -15,6 +15,8 @@ import jax  # pylint: disable=g-import-not-at-top,wrong-import-position
 import numpy as np  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 import stalepipe as sp  # pylint: disable=g-import-not-at-top,wrong-import-position
+from stalepipe.pipeline import program as program_lib  # pylint: disable=g-import-not-at-top,wrong-import-position
+from stalepipe.schedules import kinds  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 ASYNC = ("1f1b", "pipedream", "2bw", "hetpipe", "timeprest")
 _OPTIONS = {"hetpipe": {"concurrent_minibatches": 2}}
@@ -61,3 +63,21 @@ def with_tables(args: tuple, tables) -> tuple:
   tables = jax.tree.map(lambda new, old: jax.device_put(new, old.sharding),
                         tables, placed)
   return inputs, targets, tables, plan
+
+
+def cut_table(program: program_lib.Program,
+              keep: tuple[str, ...]) -> program_lib.Instructions:
+  """The program's tables with every task whose kind is not in `keep` made
+  idle. Receives whose sender went idle and updates whose backwards went are
+  dropped too.
+  """
+  tables = program.tables
+  codes = [program.kind_code(k) for k in keep if k in program.kinds]
+  cut = {"kind": np.where(np.isin(tables.kind, codes), tables.kind,
+                          program_lib.IDLE)}
+  if not any(kinds.kind(k).runs_forward for k in keep):
+    cut["recv_forward"] = np.full_like(tables.recv_forward, -1)
+  if not any(kinds.kind(k).runs_backward for k in keep):
+    cut["recv_backward"] = np.full_like(tables.recv_backward, -1)
+    cut["update"] = np.zeros_like(tables.update)
+  return tables._replace(**cut)

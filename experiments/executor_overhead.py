@@ -37,28 +37,8 @@ import optax
 import baseline_gpipe
 from stalepipe.models.losses import cross_entropy
 from stalepipe.pipeline import executor
-from stalepipe.pipeline import program as program_lib
-from stalepipe.schedules import kinds
 
 S = 4
-
-
-def cut_table(program: program_lib.Program,
-              keep: tuple[str, ...]) -> program_lib.Instructions:
-  """The program's tables with every task whose kind is not in `keep` made
-  idle. Receives whose sender went idle and updates whose backwards went are
-  dropped too.
-  """
-  tables = program.tables
-  codes = [program.kind_code(k) for k in keep if k in program.kinds]
-  cut = {"kind": np.where(np.isin(tables.kind, codes), tables.kind,
-                          program_lib.IDLE)}
-  if not any(kinds.kind(k).runs_forward for k in keep):
-    cut["recv_forward"] = np.full_like(tables.recv_forward, -1)
-  if not any(kinds.kind(k).runs_backward for k in keep):
-    cut["recv_backward"] = np.full_like(tables.recv_backward, -1)
-    cut["update"] = np.zeros_like(tables.update)
-  return tables._replace(**cut)
 
 
 def alone_costs(staged, micro: int, batch: int, hidden: int, repeats: int):
@@ -128,8 +108,8 @@ def main():
                                     == program.kind_code(k)))
                       for k in program.kinds}}
     variants = {name: program.tables,
-                f"{name}, idle table": cut_table(program, ()),
-                f"{name}, forwards only": cut_table(program, ("F",))}
+                f"{name}, idle table": common.cut_table(program, ()),
+                f"{name}, forwards only": common.cut_table(program, ("F",))}
     for label, tables in variants.items():
       call_args = common.with_tables(step_args, tables)
 

@@ -8,7 +8,7 @@ import pytest
 
 import stalepipe as sp
 from stalepipe.sim import policy as policy_lib
-from stalepipe.sim import sdpipe_sync
+from stalepipe.sync import grouping
 from stalepipe.sim import wsp_sync
 
 FREE = sp.sim.Link(bandwidth=1e12, latency=0.0)  # links that cost nothing
@@ -260,7 +260,7 @@ def test_window_groups_brute_force():
   for _ in range(50):
     ready = rng.random(7)
     window = rng.random() * 0.5
-    groups, starts = sdpipe_sync.window_groups(ready, window)
+    groups, starts = grouping.window_groups(ready, window)
     left, expected = set(range(7)), []
     while left:
       t0 = min(ready[i] for i in left)

@@ -13,7 +13,6 @@ them.
 from typing import Callable, Sequence
 
 import jax
-import jax.numpy as jnp
 
 
 def nested_switch(stage, code, branches: Sequence[Sequence[Callable]], *args):
@@ -30,7 +29,21 @@ def flat_switch(stage, code, branches: Sequence[Sequence[Callable]], *args):
   return jax.lax.switch(stage * width + code, flat, *args)
 
 
-LOWERINGS = {"nested_switch": nested_switch, "flat_switch": flat_switch}
+def select_all(stage, code, branches: Sequence[Sequence[Callable]], *args):
+  """Every (stage, kind) branch runs; `lax.select_n` keeps this device's.
+
+  No conditional at all, at the price of running every branch each tick:
+  for measuring what conditionals in a loop cost (e.g. on XLA:GPU), not for
+  training.
+  """
+  width = len(branches[0])
+  outs = [fn(*args) for row in branches for fn in row]
+  index = stage * width + code
+  return jax.tree.map(lambda *v: jax.lax.select_n(index, *v), *outs)
+
+
+LOWERINGS = {"nested_switch": nested_switch, "flat_switch": flat_switch,
+             "select_all": select_all}
 
 
 def get(name: str) -> Callable:
@@ -39,8 +52,3 @@ def get(name: str) -> Callable:
     raise ValueError(f"lowering {name!r} is invalid; valid: "
                      f"{', '.join(LOWERINGS)}")
   return LOWERINGS[name]
-
-
-def select(index, values):
-  """`values[index]` for a traced index over a static list of pytrees."""
-  return jax.tree.map(lambda *v: jnp.stack(v)[index], *values)

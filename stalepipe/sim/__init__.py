@@ -35,7 +35,7 @@ from stalepipe.sim.stragglers import Stragglers
 from stalepipe.sim.stragglers import Trace
 from stalepipe.sim.stragglers import hete
 from stalepipe.sim.stragglers import load_trace
-from stalepipe.sim.tiling import tile
+from stalepipe.schedules.tiling import tile
 from stalepipe.sim.wsp_sync import wsp
 
 __all__ = (

@@ -25,6 +25,7 @@ from typing import NamedTuple
 import numpy as np
 
 from stalepipe.sim import cluster as cluster_lib
+from stalepipe.sync.grouping import random_pairs
 
 
 class CommEvent(NamedTuple):
@@ -228,18 +229,6 @@ class ParameterServer:
 
   def start(self, ctx: Context) -> Runner:
     return _PSRunner(ctx)
-
-
-def random_pairs(num_pipelines: int, rng: np.random.Generator
-                 ) -> list[np.ndarray]:
-  """A random matching of the pipelines into pairs (one left alone if odd).
-
-  Examples:
-    >>> sorted(len(g) for g in random_pairs(5, np.random.default_rng(0)))
-    [1, 2, 2]
-  """
-  order = rng.permutation(num_pipelines)
-  return [order[k:k + 2] for k in range(0, num_pipelines, 2)]
 
 
 class _ADPSGDRunner(Runner):

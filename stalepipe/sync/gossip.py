@@ -2,8 +2,8 @@
 
 import numpy as np
 
-from stalepipe.sim import policy
 from stalepipe.sync import base
+from stalepipe.sync import grouping
 
 
 class ADPSGD(base.SyncPolicy):
@@ -26,7 +26,7 @@ class ADPSGD(base.SyncPolicy):
   def mixing(self, stage: int, minibatch: int) -> np.ndarray:
     del stage
     rng = np.random.default_rng([self.seed, minibatch])
-    return base.group_mixing(policy.random_pairs(self.num_replicas, rng),
+    return base.group_mixing(grouping.random_pairs(self.num_replicas, rng),
                              self.num_replicas)
 
 

@@ -9,7 +9,7 @@ iterations stays connected, making a group wait for the next one until it is
 (§3.4, union-find as in §4), and it skips a validation that would wait while
 another stage's enforcement is still waiting (deadlock prevention, §3.4,
 Figure 3). The grouping and validation are the simulator's
-(`stalepipe.sim.sdpipe_sync`); here they are replayed from ready times, so the
+(`stalepipe.sync.grouping`, which the simulator runs too); here they are replayed from ready times, so the
 lock-step executor averages exactly the groups the simulated cluster formed.
 """
 
@@ -17,8 +17,8 @@ import math
 
 import numpy as np
 
-from stalepipe.sim import sdpipe_sync
 from stalepipe.sync import base
+from stalepipe.sync import grouping
 
 
 class SDPipe(base.SyncPolicy):
@@ -61,7 +61,7 @@ class SDPipe(base.SyncPolicy):
     self._reset()
 
   def _reset(self):
-    self._scheduler = sdpipe_sync.Scheduler(self._num_stages, self.history,
+    self._scheduler = grouping.Scheduler(self._num_stages, self.history,
                                             self.window, self.enforce)
     self._iterations = 0
 

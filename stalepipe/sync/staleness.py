@@ -17,7 +17,7 @@ oracle (`stalepipe.pipeline.reference`) tracks the same with explicit sets.
 import numpy as np
 
 from stalepipe.schedules import Schedule
-from stalepipe.sim import tiling
+from stalepipe.schedules import tiling
 from stalepipe.sync import base
 
 _BUILT = 48  # minibatches built directly; longer streams tile the steady state

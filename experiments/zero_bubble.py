@@ -1,0 +1,163 @@
+"""Zero-bubble schedules in one SPMD program, against the MaxText-style GPipe.
+
+On 8 emulated CPU devices (2 data x 4 stages), the executor benchmarks' MLP
+(4 identical stages of `layers` blocks `H -> H`), in one process, interleaved
+(one repeat of every run, then the next), after a warm-up:
+
+- 1f1b, zb-h1 and zb-h2, each with `remat="recompute"` (a backward task
+  recomputes its forward) and `remat="residuals"` (the forward keeps its
+  pullback), each over a window of B minibatches of M micro-batches; the step
+  time per minibatch over the baseline's step (`baseline_gpipe.py`, one
+  minibatch of the same M micro-batches, its backward by autodiff of the
+  whole loop, which keeps every residual);
+- the idle tick: the same window with every task made idle, over its ticks;
+- zb-h1 with residuals under each tick lowering (`dispatch.LOWERINGS`).
+
+Also, without timing: each schedule's measured bubble against its closed
+form (`stalepipe.theory`), and its activation buffers (per device: inputs,
+cotangents and kept residuals, from the arrays) with the compiled temp
+memory, as a ratio to 1f1b's (Qi et al. claim 1x for ZB-H1, 2x for ZB-H2).
+
+  .venv/bin/python experiments/zero_bubble.py [--repeats 15] \
+      [--json docs/figures/zero_bubble.json]
+"""
+
+import argparse
+import json
+import time
+
+import executor_common as common  # pylint: disable=g-bad-import-order
+
+import jax
+import numpy as np
+import optax
+
+import baseline_gpipe
+import stalepipe as sp
+from stalepipe.models.losses import cross_entropy
+from stalepipe.pipeline import dispatch
+from stalepipe.pipeline import executor
+
+S = 4
+SCHEDULES = ("1f1b", "zb-h1", "zb-h2")
+REMATS = ("recompute", "residuals")
+
+
+def closed_form_bubble(name: str, M: int, B: int) -> float:
+  """The closed form of the bubble a stream of B minibatches measures, in
+  the schedule's own ticks (unit F, B, BI and BW)."""
+  if name == "zb-h1":
+    return sp.theory.zero_bubble_h1_bubble(S, M)
+  if name == "zb-h2":
+    return sp.theory.zero_bubble_h2_bubble(S, M, B)
+  return sp.theory.gpipe_bubble(S, M)  # 1F1B with flushes: GPipe's
+
+
+def shard_bytes(tree) -> int:
+  return sum(int(a.addressable_shards[0].data.nbytes)
+             for a in jax.tree.leaves(tree))
+
+
+def build(name, remat, lowering, staged, mesh, x, y):
+  """A run of one window, its tables' tick count and its memory figures."""
+  B, M = x.shape[:2]
+  schedule = common.make_schedule(name, S, M, B)
+  pipe = executor.Pipeline(staged.stage_fns, cross_entropy, schedule,
+                           optax.sgd(0.01), mesh, remat=remat,
+                           lowering=lowering)
+  step_fn, state, args = common.step_function(
+      pipe, pipe.init(staged.stage_params), x, y)
+  idle_args = common.with_tables(args, common.cut_table(pipe.program, ()))
+  box = {"state": state}
+
+  def run(call_args):
+    box["state"], metrics = step_fn(box["state"], *call_args)
+    jax.block_until_ready(metrics)
+
+  memory = step_fn.memory_analysis()
+  info = {"ticks": int(pipe.program.tables.kind.shape[1]),
+          "bubble": schedule.with_minibatches(6 * B).bubble_fraction,
+          "closed_form_bubble": closed_form_bubble(name, M, 6 * B),
+          "max_in_flight": list(schedule.with_minibatches(6 * B).max_in_flight),
+          "buffer_slots": pipe.program.num_slots,
+          "activation_bytes": shard_bytes(state.buffers),
+          "residual_bytes": shard_bytes(state.buffers.residuals),
+          "temp_bytes": int(memory.temp_size_in_bytes)}
+  return (lambda: run(args)), (lambda: run(idle_args)), info
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--hidden", type=int, default=512)
+  parser.add_argument("--layers", type=int, default=2, help="per stage")
+  parser.add_argument("--batch", type=int, default=32, help="per replica")
+  parser.add_argument("--micro", type=int, default=8)
+  parser.add_argument("--minibatches", type=int, default=2,
+                      help="per executor window")
+  parser.add_argument("--repeats", type=int, default=15)
+  parser.add_argument("--json", default=None, help="write results here")
+  args = parser.parse_args()
+  H, b, M, B = args.hidden, args.batch, args.micro, args.minibatches
+  mesh = jax.make_mesh((2, S), ("data", "stage"))
+  staged = common.make_model(S, H, args.layers)
+  x, y = common.make_batch(B, M, 2 * b, H)
+
+  runs, info = {}, {}
+  for name in SCHEDULES:
+    for remat in REMATS:
+      label = f"{name}, {remat}"
+      runs[label], runs[f"{label}, idle table"], info[label] = build(
+          name, remat, "nested_switch", staged, mesh, x, y)
+  for lowering in dispatch.LOWERINGS:
+    if lowering != "nested_switch":
+      label = f"zb-h1, residuals, {lowering}"
+      runs[label], _, info[label] = build("zb-h1", "residuals", lowering,
+                                          staged, mesh, x, y)
+
+  base = baseline_gpipe.GPipeBaseline(baseline_gpipe.mlp_stage, cross_entropy,
+                                      optax.sgd(0.01), mesh)
+  base_state = list(base.init(staged.stage_params))
+  xs, ys = base.put_batch(x[0], y[0])
+
+  def run_baseline():
+    base_state[0], base_state[1], loss = base.step(*base_state, xs, ys)
+    jax.block_until_ready(loss)
+
+  baseline = "baseline GPipe (MaxText style)"
+  runs[baseline] = run_baseline
+  for run in runs.values():  # warm-up: compile and first touch
+    run()
+    run()
+  samples = {label: [] for label in runs}
+  for _ in range(args.repeats):
+    for label, run in runs.items():
+      t = time.perf_counter()
+      run()
+      samples[label].append(time.perf_counter() - t)
+  median = {k: float(np.median(v)) for k, v in samples.items()}
+  per_minibatch = {k: v / (1 if k == baseline else B) for k, v in median.items()}
+  results = {"config": vars(args), "median_s": median, "info": info,
+             "rows": {}}
+  print(f"{'run':38s} {'ms/minibatch':>12s} {'x baseline':>10s} "
+        f"{'idle tick':>9s} {'bubble':>13s} {'act. bytes':>10s}")
+  act_1f1b = info["1f1b, recompute"]["activation_bytes"]
+  for label, i in info.items():
+    row = {"ms_per_minibatch": 1e3 * per_minibatch[label],
+           "over_baseline": per_minibatch[label] / per_minibatch[baseline],
+           "activation_over_1f1b": i["activation_bytes"] / act_1f1b}
+    if f"{label}, idle table" in median:
+      row["idle_tick_ms"] = 1e3 * median[f"{label}, idle table"] / i["ticks"]
+    results["rows"][label] = row
+    print(f"{label:38s} {row['ms_per_minibatch']:12.1f} "
+          f"{row['over_baseline']:10.2f} "
+          f"{row.get('idle_tick_ms', float('nan')):8.2f}ms "
+          f"{i['bubble']:.3f} ({i['closed_form_bubble']:.3f}) "
+          f"{row['activation_over_1f1b']:9.2f}x")
+  print(f"{baseline:38s} {1e3 * per_minibatch[baseline]:12.1f}       1.00")
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+  main()
