@@ -107,132 +107,168 @@ class Pipeline:
   def step(self, state: ReferenceState, inputs, targets):
     """Runs window k: the ticks from the stage-0 forward of minibatch kB up to
     that of minibatch (k+1)B, in the schedule over an endless stream."""
-    B, M, S = (self.schedule.num_minibatches, self.schedule.num_microbatches,
-               self.schedule.num_stages)
+    B, M = self.schedule.num_minibatches, self.schedule.num_microbatches
     D, k = self.num_replicas, state.window
-    stream = self.schedule.with_minibatches((k + 2) * B)
-    first = {t.minibatch: t.tick for t in stream.tasks
-             if t.stage == 0 and stream.kind(t).runs_forward
-             and t.microbatch == 0}
-    versions = {key: list(v) for key, v in state.versions.items()}
-    provenance = {key: list(v) for key, v in state.provenance.items()}
-    staleness = {}  # minibatch -> most updates a forward of it missed
-    opt_states = dict(state.opt_states)
-    grads, acts, cots = dict(state.grads), dict(state.acts), dict(state.cots)
-    sync_states = dict(state.sync_states)
-    all_inputs, all_targets = dict(state.inputs), dict(state.targets)
-    for i in range(B):
-      all_inputs[k * B + i] = jnp.asarray(inputs[i])
-      all_targets[k * B + i] = jnp.asarray(targets[i])
     if np.shape(inputs)[2] % D:
       raise ValueError(f"inputs shape {np.shape(inputs)} is invalid; valid: "
                        f"[{B}, {M}, a multiple of {D} data replicas, ...]")
-    n = np.shape(inputs)[2] // D
-    part = lambda x, d: x[:, d * n:(d + 1) * n]
-    losses = []
+    stream = self.schedule.with_minibatches((k + 2) * B)
+    w = _Scratch(
+        stream=stream, n=np.shape(inputs)[2] // D,
+        versions={key: list(v) for key, v in state.versions.items()},
+        provenance={key: list(v) for key, v in state.provenance.items()},
+        opt_states=dict(state.opt_states), grads=dict(state.grads),
+        acts=dict(state.acts), cots=dict(state.cots),
+        sync_states=dict(state.sync_states), inputs=dict(state.inputs),
+        targets=dict(state.targets))
+    for i in range(B):
+      w.inputs[k * B + i] = jnp.asarray(inputs[i])
+      w.targets[k * B + i] = jnp.asarray(targets[i])
+    first = {t.minibatch: t.tick for t in stream.tasks
+             if t.stage == 0 and stream.kind(t).runs_forward
+             and t.microbatch == 0}
     updates_at = {}
     for (s, p), u in stream.update_ticks.items():
       updates_at.setdefault(u, []).append((s, p))
-
-    def weights(t, d):
-      w = versions[(d, t.stage)][stream.task_version(t)]
-      if not contract.predicts(self.optimizer):
-        return w
-      return self.optimizer.predict(opt_states[(d, t.stage)], w,
-                                    ahead=stream.ahead(t),
-                                    since_forward=stream.since_forward(t))
-
-    def run_task(t, d):
-      s, p, kind = t.stage, t.minibatch, stream.kind(t)
-      fn, w = self.stage_fns[s], weights(t, d)
-      x_of = lambda m: (part(all_inputs[p], d)[m] if s == 0
-                        else acts[(d, s, p, m)])
-      if kind.runs_forward:
-        seen = provenance[(d, s)][stream.task_version(t)]
-        prefix = min(next(q for q in range(p + 1) if (e, q) not in seen)
-                     for e in range(D))
-        staleness[p] = max(staleness.get(p, 0), p - prefix)
-      if not kind.runs_backward:
-        y = fn(w, x_of(t.microbatch))
-        if s + 1 < S:
-          acts[(d, s + 1, p, t.microbatch)] = y
-        else:
-          losses.append(self.loss_fn(y, part(all_targets[p], d)[t.microbatch]))
-        return
-      for m in stream.covered_microbatches(t):
-        if s == S - 1:
-          target = part(all_targets[p], d)[m]
-          objective = lambda w, x: self.loss_fn(fn(w, x), target) / M  # pylint: disable=cell-var-from-loop
-          if s == 0:  # x may be integer (token ids): no cotangent to send
-            loss, gw = jax.value_and_grad(objective)(w, x_of(m))
-          else:
-            loss, (gw, gx) = jax.value_and_grad(objective, (0, 1))(w, x_of(m))
-          if kind.runs_forward:
-            losses.append(loss * M)
-        else:
-          _, vjp = jax.vjp(fn, w, x_of(m))
-          gw, gx = vjp(cots[(d, s, p, m)])
-        key = (d, s, p)
-        if kinds_lib.WEIGHT_GRADIENT in kind.produces:
-          grads[key] = (gw if key not in grads
-                        else jax.tree.map(jnp.add, grads[key], gw))
-        if s > 0 and kinds_lib.INPUT_COTANGENT in kind.produces:
-          cots[(d, s - 1, p, m)] = gx
-
-    def run_update(s, p):
-      own = [grads.pop((d, s, p)) for d in range(D)]
-      g = _unstack(jax.vmap(lambda g: self.sync.reduce_gradient(g, _AXIS),
-                            axis_name=_AXIS)(_stack(own)), D)
-      seen = [provenance[(d, s)][-1] | {(d, p)} for d in range(D)]
-      if self.sync.average_gradients:
-        seen = [x | {(e, p) for e in range(D)} for x in seen]
-      current = [versions[(d, s)][-1] for d in range(D)]
-      new = []
-      for d in range(D):
-        kwargs = {}
-        if contract.takes_extra_args(self.optimizer):
-          kwargs = dict(
-              stale_params=versions[(d, s)][stream.gradient_version(s, p)],
-              staleness=(stream.update_version(s, p)
-                         - stream.forward_version(s, p)),
-              local_updates=own[d])
-        upd, opt_states[(d, s)] = self.optimizer.update(
-            g[d], opt_states[(d, s)], current[d], **kwargs)
-        new.append(optax.apply_updates(current[d], upd))
-      plan = {k: jnp.asarray(v[0]) for k, v in self.sync.plan(p, 1, S).items()}
-      new, sync_states[s] = jax.vmap(
-          lambda x, y, state, r: self.sync.after_update(
-              x, y, state, sync_lib.UpdateEvent(p, s, r, plan), _AXIS),
-          axis_name=_AXIS)(_stack(new), _stack(current), sync_states[s],
-                           jnp.arange(D))
-      new = _unstack(new, D)
-      if self.sync.wave and (p + 1) % self.sync.wave == 0:
-        c = p // self.sync.wave
-        for d in range(D):  # replica d now has the waves up to c - delay
-          pulled = (c - self.sync.wave_delay(c)[d] + 1) * self.sync.wave
-          seen[d] = seen[d] | {(e, q) for e in range(D) for q in range(pulled)}
-      mixing = self.sync.mixing(s, p)
-      if mixing is not None:
-        seen = [frozenset().union(*[seen[e] for e in range(D) if mixing[d, e]])
-                for d in range(D)]
-      for d in range(D):
-        versions[(d, s)].append(new[d])
-        provenance[(d, s)].append(frozenset(seen[d]))
-
     for tick in range(first[k * B], first[(k + 1) * B]):
       for t in (t for t in stream.tasks if t.tick == tick):
         for d in range(D):
-          run_task(t, d)
+          self._run_task(w, t, d)
       for s, p in updates_at.get(tick, ()):
-        run_update(s, p)
-
+        self._run_update(w, s, p)
     state = ReferenceState(
-        versions={key: tuple(v) for key, v in versions.items()},
-        provenance={key: tuple(v) for key, v in provenance.items()},
-        opt_states=opt_states, grads=grads, acts=acts, cots=cots,
-        sync_states=sync_states,
-        inputs=all_inputs, targets=all_targets,
+        versions={key: tuple(v) for key, v in w.versions.items()},
+        provenance={key: tuple(v) for key, v in w.provenance.items()},
+        opt_states=w.opt_states, grads=w.grads, acts=w.acts, cots=w.cots,
+        sync_states=w.sync_states, inputs=w.inputs, targets=w.targets,
         window=k + 1)
-    loss = jnp.mean(jnp.stack(losses)) if losses else jnp.nan
-    return state, {"loss": loss, "num_losses": len(losses) // D,
-                   "staleness": staleness}
+    loss = jnp.mean(jnp.stack(w.losses)) if w.losses else jnp.nan
+    return state, {"loss": loss, "num_losses": len(w.losses) // D,
+                   "staleness": w.staleness}
+
+  def _weights(self, w: "_Scratch", t, d: int):
+    """The weights task t reads on replica d: its version, or as predicted."""
+    weights = w.versions[(d, t.stage)][w.stream.task_version(t)]
+    if not contract.predicts(self.optimizer):
+      return weights
+    return self.optimizer.predict(w.opt_states[(d, t.stage)], weights,
+                                  ahead=w.stream.ahead(t),
+                                  since_forward=w.stream.since_forward(t))
+
+  def _observe(self, w: "_Scratch", t, d: int) -> None:
+    """HetPipe's observed staleness of t's minibatch, from what its forward
+    read: p minus the longest prefix every replica's updates reach."""
+    p = t.minibatch
+    seen = w.provenance[(d, t.stage)][w.stream.task_version(t)]
+    prefix = min(next(q for q in range(p + 1) if (e, q) not in seen)
+                 for e in range(self.num_replicas))
+    w.staleness[p] = max(w.staleness.get(p, 0), p - prefix)
+
+  def _run_task(self, w: "_Scratch", t, d: int) -> None:
+    """Task t on replica d, as its kind declares."""
+    s, p, kind = t.stage, t.minibatch, w.stream.kind(t)
+    last, M = s == len(self.stage_fns) - 1, self.schedule.num_microbatches
+    fn, weights = self.stage_fns[s], self._weights(w, t, d)
+    if kind.runs_forward:
+      self._observe(w, t, d)
+    for m in w.stream.covered_microbatches(t):
+      x = w.part(w.inputs[p], d)[m] if s == 0 else w.acts[(d, s, p, m)]
+      target = w.part(w.targets[p], d)[m]
+      if not kind.runs_backward:
+        y = fn(weights, x)
+        if last:
+          w.losses.append(self.loss_fn(y, target))
+        else:
+          w.acts[(d, s + 1, p, m)] = y
+        continue
+      if last:
+        objective = lambda v, x: self.loss_fn(fn(v, x), target) / M  # pylint: disable=cell-var-from-loop
+        if s == 0:  # x may be integer (token ids): no cotangent to send
+          loss, gw = jax.value_and_grad(objective)(weights, x)
+        else:
+          loss, (gw, gx) = jax.value_and_grad(objective, (0, 1))(weights, x)
+        if kind.runs_forward:
+          w.losses.append(loss * M)
+      else:
+        _, vjp = jax.vjp(fn, weights, x)
+        gw, gx = vjp(w.cots[(d, s, p, m)])
+      key = (d, s, p)
+      if kinds_lib.WEIGHT_GRADIENT in kind.produces:
+        w.grads[key] = (gw if key not in w.grads
+                        else jax.tree.map(jnp.add, w.grads[key], gw))
+      if s > 0 and kinds_lib.INPUT_COTANGENT in kind.produces:
+        w.cots[(d, s - 1, p, m)] = gx
+
+  def _run_update(self, w: "_Scratch", s: int, p: int) -> None:
+    """Stage s's update of minibatch p on every replica, the sync policy's
+    functions around it (under `jax.vmap` over the replicas)."""
+    D, stream = self.num_replicas, w.stream
+    own = [w.grads.pop((d, s, p)) for d in range(D)]
+    g = _unstack(jax.vmap(lambda g: self.sync.reduce_gradient(g, _AXIS),
+                          axis_name=_AXIS)(_stack(own)), D)
+    current = [w.versions[(d, s)][-1] for d in range(D)]
+    new = []
+    for d in range(D):
+      kwargs = {}
+      if contract.takes_extra_args(self.optimizer):
+        kwargs = dict(
+            stale_params=w.versions[(d, s)][stream.gradient_version(s, p)],
+            staleness=(stream.update_version(s, p)
+                       - stream.forward_version(s, p)),
+            local_updates=own[d])
+      upd, w.opt_states[(d, s)] = self.optimizer.update(
+          g[d], w.opt_states[(d, s)], current[d], **kwargs)
+      new.append(optax.apply_updates(current[d], upd))
+    plan = {k: jnp.asarray(v[0])
+            for k, v in self.sync.plan(p, 1, len(self.stage_fns)).items()}
+    new, w.sync_states[s] = jax.vmap(
+        lambda x, y, state, r: self.sync.after_update(
+            x, y, state, sync_lib.UpdateEvent(p, s, r, plan), _AXIS),
+        axis_name=_AXIS)(_stack(new), _stack(current), w.sync_states[s],
+                         jnp.arange(D))
+    seen = self._provenance(w, s, p)
+    for d, x in enumerate(_unstack(new, D)):
+      w.versions[(d, s)].append(x)
+      w.provenance[(d, s)].append(frozenset(seen[d]))
+
+  def _provenance(self, w: "_Scratch", s: int, p: int) -> list[set]:
+    """Per replica, the (replica, minibatch) updates stage s's new version
+    reflects, wholly or in part (through averaging or a wave's pull)."""
+    D = self.num_replicas
+    seen = [w.provenance[(d, s)][-1] | {(d, p)} for d in range(D)]
+    if self.sync.average_gradients:
+      seen = [x | {(e, p) for e in range(D)} for x in seen]
+    if self.sync.wave and (p + 1) % self.sync.wave == 0:
+      c = p // self.sync.wave
+      for d in range(D):  # replica d now has the waves up to c - delay
+        pulled = (c - self.sync.wave_delay(c)[d] + 1) * self.sync.wave
+        seen[d] = seen[d] | {(e, q) for e in range(D) for q in range(pulled)}
+    mixing = self.sync.mixing(s, p)
+    if mixing is not None:
+      seen = [frozenset().union(*[seen[e] for e in range(D) if mixing[d, e]])
+              for d in range(D)]
+    return seen
+
+
+@dataclasses.dataclass
+class _Scratch:
+  """One window's working copies of the oracle's state (mutable)."""
+
+  stream: Schedule
+  n: int  # examples of a micro-batch per replica
+  versions: dict
+  provenance: dict
+  opt_states: dict
+  grads: dict
+  acts: dict
+  cots: dict
+  sync_states: dict
+  inputs: dict
+  targets: dict
+  losses: list = dataclasses.field(default_factory=list)
+  staleness: dict = dataclasses.field(default_factory=dict)  # minibatch ->
+  #   most updates a forward of it missed
+
+  def part(self, x, d: int):
+    """Replica d's slice of every micro-batch of `x` ([M, D * n, ...])."""
+    return x[:, d * self.n:(d + 1) * self.n]
