@@ -117,7 +117,8 @@ def test_no_zero_size_state_leaves(name):
   assert all(leaf.size for leaf in jax.tree.leaves(state))
 
 
-@pytest.mark.parametrize("checkpointer", ["standard", "pytree"])
+@pytest.mark.parametrize("checkpointer", [
+    "standard", pytest.param("pytree", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_orbax_round_trip_continues_bit_for_bit(tmp_path, name, checkpointer):
   opt = CASES[name]()
