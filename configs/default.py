@@ -73,11 +73,21 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # Synchronisation across the data replicas (stalepipe.sync).
   config.sync = "bsp"
   config.sync_kwargs = ml_collections.ConfigDict()
-  # Optimization: (name, kwargs) transforms from stalepipe.optim, applied in
-  # order before the optax optimizer named by `optimizer`.
+  # Optimization (stalepipe.train.optimizers): (name, kwargs) transforms from
+  # stalepipe.optim, applied in order before the optax optimizer named by
+  # `optimizer`; an optax schedule (name, kwargs) replaces its learning_rate,
+  # e.g. ("warmup_cosine_decay_schedule", {"init_value": 0.0,
+  # "peak_value": 1e-3, "warmup_steps": 50, "decay_steps": 800}).
   config.transforms = ()
   config.optimizer = "adam"
   config.optimizer_kwargs = ml_collections.ConfigDict({"learning_rate": 1e-3})
+  config.lr_schedule = ()  # () = the constant learning_rate
+  config.weight_decay = 0.0
+  config.weight_decay_mode = "l2"  # "l2" (into the gradient) or "decoupled"
+  config.grad_clip_norm = 0.0  # global-norm clipping; 0 = off
+  # A stalepipe.optim wrapper of the whole chain, (name, kwargs), e.g.
+  # ("WeightPrediction", {"option": 3, "lam": 0.2}); () = none.
+  config.optimizer_wrapper = ()
   config.num_steps = 800  # minibatches
   # Logging, evaluation and checkpoints; intervals in windows, 0 = only at
   # the end.

@@ -32,8 +32,9 @@ def test_emits_gradient_of_delay_calls_ago_with_zero_warmup(delay):
       assert out[k].dtype == jnp.asarray(g[k]).dtype
       np.testing.assert_array_equal(np.asarray(out[k], np.float32),
                                     np.asarray(want[k], np.float32))
-  assert jax.tree.map(lambda x: x.dtype, state.buffer) == {
-      "w": jnp.float32, "b": jnp.bfloat16}
+  want_buffer = {"w": jnp.float32, "b": jnp.bfloat16} if delay else {
+      "w": optax.MaskedNode(), "b": optax.MaskedNode()}  # no buffer at all
+  assert jax.tree.map(lambda x: x.dtype, state.buffer) == want_buffer
 
 
 def _root_radius(c, d):

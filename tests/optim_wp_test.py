@@ -100,7 +100,7 @@ def test_mask_predicts_and_delays_only_stale_leaves():
   wp = sp.optim.WeightPrediction(optax.sgd(1.0), option=1, mask=mask)
   x = {"first": jnp.zeros(2), "last": jnp.zeros(3)}
   state = wp.init(x)
-  assert state.ahead["last"].size == 0  # nothing kept for fresh leaves
+  assert state.ahead["last"] == optax.MaskedNode()  # nothing kept
   g = {"first": jnp.ones(2), "last": jnp.full(3, 2.0)}
   updates, state = jax.jit(wp.update)(g, state, x)
   np.testing.assert_array_equal(updates["first"], [0.0, 0.0])  # stale

@@ -2,8 +2,8 @@
 
 Stale gradients (PipeSGD), delay compensation (DC-ASGD, SAPipe eq. 1), weight
 prediction (SAPipe Algorithm 3, SpecTrain), HetPipe wave accumulation, the
-staleness-aware learning rate, SDPipe's variance-reduced Adam and SAPipe's
-partial-staleness solver. Chain them with any optax optimizer; none of them
+staleness-aware learning rate, SDPipe's variance-reduced Adam, SAPipe's
+partial-staleness solver and the asynchronous-pipeline Nesterov method. Chain them with any optax optimizer; none of them
 knows about pipelines.
 """
 
@@ -12,13 +12,18 @@ from stalepipe.optim._adam_variance import ScaleByVarianceReducedAdamState
 from stalepipe.optim._delay_compensation import compensate
 from stalepipe.optim._delay_compensation import delay_compensation
 from stalepipe.optim._delay_compensation import DelayCompensationState
+from stalepipe.optim._nesterov import delay_aware_momentum
+from stalepipe.optim._nesterov import scale_by_async_nesterov
+from stalepipe.optim._nesterov import ScaleByAsyncNesterovState
 from stalepipe.optim._partial_staleness import minimal_stale_prefix
 from stalepipe.optim._pipemare import PipeMare
 from stalepipe.optim._pipemare import PipeMareState
 from stalepipe.optim._spectrain import SpecTrain
 from stalepipe.optim._spectrain import SpecTrainState
 from stalepipe.optim._stale import stale_gradients
+from stalepipe.optim._stale import stale_optimizer
 from stalepipe.optim._stale import StaleGradientsState
+from stalepipe.optim._stale import StaleOptimizerState
 from stalepipe.optim._staleness_lr import scale_by_staleness
 from stalepipe.optim._staleness_lr import ScaleByStalenessState
 from stalepipe.optim._waves import wave_accumulation
@@ -31,19 +36,24 @@ from stalepipe.optim._weight_prediction import WeightPredictionState
 __all__ = (
     "compensate",
     "delay_compensation",
+    "delay_aware_momentum",
     "DelayCompensationState",
     "minimal_stale_prefix",
     "PipeMare",
     "PipeMareState",
+    "scale_by_async_nesterov",
     "scale_by_staleness",
     "scale_by_variance_reduced_adam",
+    "ScaleByAsyncNesterovState",
     "ScaleByStalenessState",
     "ScaleByVarianceReducedAdamState",
     "SpecTrain",
     "SpecTrainState",
     "spectrain_prediction",
     "stale_gradients",
+    "stale_optimizer",
     "StaleGradientsState",
+    "StaleOptimizerState",
     "wave_accumulation",
     "wave_complete",
     "WaveAccumulationState",

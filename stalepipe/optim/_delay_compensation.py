@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from stalepipe.optim import _buffers
 from stalepipe.optim import _ordering
 
 FORMS = ("diagonal", "full")
@@ -19,8 +20,13 @@ def _wide(x: chex.Array) -> chex.Array:
 
 
 def _inner(grads: optax.Updates, dx: optax.Updates) -> chex.Array:
-  """:math:`\\langle g, \\Delta x \\rangle` over the pytree, in float32 or wider."""
-  return optax.tree.vdot(jax.tree.map(_wide, grads), jax.tree.map(_wide, dx))
+  """:math:`\\langle g, \\Delta x \\rangle` over the pytree, in float32 or wider.
+
+  A sum of products, not `vdot`: under Explicit sharding a dot product
+  contracting a sharded axis has no defined output sharding, a sum does.
+  """
+  return sum(jnp.sum(_wide(g) * _wide(d))
+             for g, d in zip(jax.tree.leaves(grads), jax.tree.leaves(dx)))
 
 
 def check_form(form: str, adaptive: Optional[str]) -> None:
@@ -117,8 +123,11 @@ class DelayCompensationState(NamedTuple):
   """State of `delay_compensation`."""
 
   count: chex.Array  # [] int32, calls so far (saturating).
-  history: optax.Params  # per leaf [delay, *leaf.shape]: the last params seen.
-  mean_square: optax.Updates  # EMA of g*g ("ema"), else leaves of shape [0].
+  # Per leaf [delay, *leaf.shape], sharded like the leaf: the last params
+  # seen; `optax.EmptyState()` when delay=0.
+  history: optax.Params
+  # Like params: the EMA of g*g when adaptive="ema", else `optax.EmptyState()`.
+  mean_square: optax.Updates
 
 
 def delay_compensation(
@@ -190,11 +199,12 @@ def delay_compensation(
     raise ValueError(f"decay={decay} is invalid; valid: 0 <= decay < 1")
 
   def init_fn(params):
-    history = jax.tree.map(
-        lambda p: jnp.zeros((delay, *jnp.shape(p)), jnp.asarray(p).dtype), params)
-    ms_shape = (lambda p: jnp.shape(p)) if adaptive == "ema" else (lambda p: 0)
-    mean_square = jax.tree.map(
-        lambda p: jnp.zeros(ms_shape(p), jnp.asarray(p).dtype), params)
+    history = optax.EmptyState()
+    if delay:
+      history = jax.tree.map(lambda p: _buffers.zeros_stack(p, delay), params)
+    mean_square = optax.EmptyState()
+    if adaptive == "ema":
+      mean_square = optax.tree.zeros_like(params)
     return DelayCompensationState(jnp.zeros([], jnp.int32), history, mean_square)
 
   def update_fn(updates, state, params=None, *, stale_params=None,

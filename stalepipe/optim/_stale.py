@@ -1,12 +1,13 @@
 """Stale gradients: a ring buffer that hands back the gradient of `delay` calls ago."""
 
-from typing import Callable, NamedTuple, Union
+from typing import Any, Callable, NamedTuple, Union
 
 import chex
 import jax
 import jax.numpy as jnp
 import optax
 
+from stalepipe.optim import _buffers
 from stalepipe.optim import _ordering
 
 Delay = Union[int, chex.ArrayTree, Callable[[optax.Params], chex.ArrayTree]]
@@ -16,7 +17,9 @@ class StaleGradientsState(NamedTuple):
   """State of `stale_gradients`."""
 
   count: chex.Array  # [] int32, calls so far (saturating).
-  buffer: optax.Updates  # per leaf [delay, *leaf.shape] in the leaf's dtype.
+  # Per leaf [delay, *leaf.shape] in the leaf's dtype and sharded like it;
+  # `optax.MaskedNode()` for a leaf of delay 0.
+  buffer: optax.Updates
 
 
 def _check_delay(delay: int) -> int:
@@ -51,8 +54,16 @@ def stale_gradients(delay: Delay) -> optax.GradientTransformation:
   Partial staleness (SAPipe §3.1: only the first k layers are stale) is either
   `optax.masked(stale_gradients(1), mask)` or a pytree of per-leaf delays with
   zeros for fresh leaves; either way the ring buffer holds only stale leaves
-  (a fresh leaf's buffer has shape `[0, *shape]`). The state keeps each leaf's
-  dtype (float32 and bfloat16 leaves may be mixed).
+  (a fresh leaf's buffer is `optax.MaskedNode()`, as in `optax.masked`). The
+  state keeps each leaf's dtype (float32 and bfloat16 leaves may be mixed)
+  and sharding, so it saves with orbax and runs under Explicit sharding.
+
+  Warm-up: the zeros go through the optimizer chained after this transform,
+  as PipeSGD's pipeline does (and DESIGN fixes). For plain or momentum SGD
+  that is no update at all, but it advances the counters of Adam-like
+  optimizers: after one zero step Adam's first real update is 0.744 lr, not
+  lr. SAPipe's Algorithm 1 instead skips the optimizer ("Pass") until the
+  first stale gradient exists; `stale_optimizer(opt, d)` does that.
 
   Args:
     delay: an int >= 0; or a pytree of ints with the structure of the params;
@@ -83,7 +94,7 @@ def stale_gradients(delay: Delay) -> optax.GradientTransformation:
   def init_fn(params):
     delays = leaf_delays(delay, params)
     buffer = jax.tree.map(
-        lambda d, p: jnp.zeros((d, *jnp.shape(p)), jnp.asarray(p).dtype),
+        lambda d, p: _buffers.zeros_stack(p, d) if d else _buffers.absent(),
         delays, params)
     return StaleGradientsState(count=jnp.zeros([], jnp.int32), buffer=buffer)
 
@@ -111,3 +122,93 @@ def stale_gradients(delay: Delay) -> optax.GradientTransformation:
         count=optax.safe_increment(state.count), buffer=buffer)
 
   return optax.GradientTransformation(init_fn, update_fn)
+
+
+class StaleOptimizerState(NamedTuple):
+  """State of `stale_optimizer`."""
+
+  stale: StaleGradientsState  # the gradients in flight.
+  inner_state: optax.OptState  # the wrapped optimizer's state.
+
+
+WARMUPS = ("skip", "zeros")
+
+
+def stale_optimizer(
+    optimizer: optax.GradientTransformation,
+    delay: int,
+    *,
+    warmup: str = "skip",
+) -> optax.GradientTransformationExtraArgs:
+  r"""`optimizer` applied to gradients `delay` calls old, as SAPipe runs it.
+
+  .. math::
+    x_{t+1} = \begin{cases} x_t + \mathrm{opt}(g_{t-d}) & t \ge d \\
+    x_t \ (\text{opt not called}) & t < d \end{cases}
+
+  SAPipe's Algorithm 1 (and its code) "Pass"es on the first stale
+  iteration: the optimizer does not run before a stale gradient exists, so
+  its counters, moments and schedules start with the first real gradient and
+  Adam's first update is exactly :math:`\eta\,\mathrm{sign}(g_0)`.
+  `warmup="zeros"` instead feeds the zeros through the optimizer, which is
+  `optax.chain(stale_gradients(delay), optimizer)` bit for bit (PipeSGD; the
+  same for SGD with or without momentum, but Adam's first real update is
+  then 0.744 lr after one zero step, and weight decay acts during warm-up).
+  For partial staleness (stale and fresh leaves) wrap only the stale
+  partition, e.g. `optax.partition({"stale": stale_optimizer(adam, 1),
+  "fresh": adam}, labels)`: an optimizer's counters are shared by its leaves.
+
+  Args:
+    optimizer: the real optimizer; extra arguments (`stale_params=`) are
+      passed to it.
+    delay: :math:`d`, an int >= 0; 0 is `optimizer` itself.
+    warmup: `"skip"` (SAPipe, the default here) or `"zeros"` (PipeSGD, what
+      `stale_gradients` chained before an optimizer does).
+
+  Returns:
+    An `optax.GradientTransformationExtraArgs`.
+
+  Examples:
+    >>> import jax.numpy as jnp, optax
+    >>> opt = stale_optimizer(optax.adam(0.1), 1)
+    >>> x = jnp.array(1.0)
+    >>> state = opt.init(x)
+    >>> steps = []
+    >>> for g in [4.0, 4.0]:
+    ...   updates, state = opt.update(jnp.asarray(g), state, x)
+    ...   steps.append(round(float(updates), 4))
+    >>> steps  # "Pass", then exactly -lr * sign(g_0)
+    [0.0, -0.1]
+
+  References:
+    Chen et al, SAPipe (seed 004) Algorithm 1 ("Pass" at the first
+    iteration), 2022; Li et al, `Pipe-SGD <https://arxiv.org/abs/1811.03619>`_,
+    2018.
+  """
+  _check_delay(delay)
+  if warmup not in WARMUPS:
+    raise ValueError(f"warmup={warmup!r} is invalid; valid: {WARMUPS}")
+  ring = stale_gradients(delay)
+  inner = optax.with_extra_args_support(optimizer)
+
+  def init_fn(params):
+    return StaleOptimizerState(ring.init(params), inner.init(params))
+
+  def update_fn(updates, state, params=None, **extra_args: Any):
+    stale, ring_state = ring.update(updates, state.stale)
+
+    def run():
+      return inner.update(stale, state.inner_state, params, **extra_args)
+
+    if warmup == "zeros" or delay == 0:
+      step, inner_state = run()
+    else:
+      def skip():
+        shapes = jax.eval_shape(run)[0]
+        zeros = jax.tree.map(lambda z, s: z.astype(s.dtype),
+                             optax.tree.zeros_like(stale), shapes)
+        return zeros, state.inner_state
+      step, inner_state = jax.lax.cond(state.stale.count >= delay, run, skip)
+    return step, StaleOptimizerState(ring_state, inner_state)
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from stalepipe.optim import _buffers
 from stalepipe.optim import _delay_compensation
 from stalepipe.optim import _ordering
 from stalepipe.optim import _stale
@@ -15,7 +16,11 @@ OPTIONS = (1, 2, 3)
 
 
 class WeightPredictionState(NamedTuple):
-  """State of `WeightPrediction`; leaves it does not need have shape [0]."""
+  """State of `WeightPrediction`.
+
+  Buffers are like the params (shape, dtype, sharding) on stale leaves and
+  `optax.MaskedNode()` where they are not needed, as in `optax.masked`.
+  """
 
   count: chex.Array  # [] int32, update calls so far (saturating).
   inner_state: optax.OptState  # the wrapped optimizer's state.
@@ -145,13 +150,13 @@ class WeightPrediction:
     return self._mask(tree) if callable(self._mask) else self._mask
 
   def _keep(self, tree, needed=True):
-    """`tree` on stale leaves when this option needs it, else [0]-shaped."""
+    """`tree` on stale leaves when this option needs it, else absent."""
     def one(stale, x):
-      return x if needed and stale else jnp.zeros((0,), jnp.asarray(x).dtype)
+      return x if needed and stale else _buffers.absent()
     return jax.tree.map(one, self._stale_mask(tree), tree)
 
   def _others(self, synced, local):
-    """Option 3's :math:`G - \\ell / n` on stale leaves, [0]-shaped elsewhere."""
+    """Option 3's :math:`G - \\ell / n` on stale leaves, absent elsewhere."""
     n = self._num_workers
     return self._keep(jax.tree.map(lambda g, l: g - l / n, synced, local),
                       self._option == 3)

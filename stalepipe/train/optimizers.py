@@ -1,45 +1,198 @@
-"""The optimizer of a config: stalepipe.optim transforms, then an optax alias.
+"""The optimizer of a config: parts named from registries, after big_vision's `optax.py`.
 
-A config names its update rule as pure data, after big_vision's
-`optax.py: make`:
+A config names its update rule as pure data:
 
 .. code-block:: python
 
   config.transforms = (("stale_gradients", {"delay": 1}),
                        ("delay_compensation", {"lam": 0.2}))
-  config.optimizer = "adam"
-  config.optimizer_kwargs = {"learning_rate": 1e-3}
+  config.optimizer = "sgd"
+  config.optimizer_kwargs = {"learning_rate": 0.1, "momentum": 0.9}
+  config.lr_schedule = ("warmup_cosine_decay_schedule",
+                        {"init_value": 0.0, "peak_value": 0.1,
+                         "warmup_steps": 50, "decay_steps": 800})
+  config.weight_decay, config.weight_decay_mode = 1e-4, "l2"
+  config.grad_clip_norm = 1.0
+  config.optimizer_wrapper = ()  # or ("WeightPrediction", {"option": 3})
 
-gives `optax.chain(stale_gradients(1), delay_compensation(0.2), adam(1e-3))`.
-Transforms that take extra arguments (`delay_compensation`'s
-`stale_params`) receive them through `optax.chain`.
+gives, in this order,
+
+.. code-block:: python
+
+  optax.chain(stale_gradients(1), delay_compensation(0.2),
+              optax.clip_by_global_norm(1.0),      # the gradient the optimizer gets
+              optax.add_decayed_weights(1e-4),     # "l2": SGD's weight_decay
+              optax.sgd(schedule, momentum=0.9))   # "decoupled" adds -lr_t wd x after it
+
+Registries are built from public names, never a hand list: `TRANSFORMS` are
+the factories of `stalepipe.optim.__all__` that return an optax transform,
+`WRAPPERS` its classes and factories whose first parameter is `optimizer`
+(the chained optimizer is passed there: `WeightPrediction(chain, option=3)`),
+`SCHEDULES` the schedules of `optax.schedules`, and `optimizer` any optax
+alias. A transform or wrapper that takes `num_workers` gets `num_replicas`
+unless the config sets it.
 """
 
-from typing import Any, Sequence
+import inspect
+from typing import Any, Callable, NamedTuple, Sequence
 
+import chex
+import jax
+import jax.numpy as jnp
 import optax
 
 from stalepipe import optim
 
-TRANSFORMS = ("stale_gradients", "delay_compensation", "scale_by_staleness",
-              "scale_by_variance_reduced_adam", "wave_accumulation")
+WEIGHT_DECAY_MODES = ("l2", "decoupled")
 
 
-def make(transforms: Sequence[tuple[str, dict[str, Any]]], optimizer: str,
-         optimizer_kwargs: dict[str, Any],
-         num_replicas: int = 1) -> optax.GradientTransformation:
+def _first_parameter(obj: Any) -> str | None:
+  try:
+    params = list(inspect.signature(obj).parameters)
+  except (TypeError, ValueError):
+    return None
+  return params[0] if params else None
+
+
+def _returns_transform(fn: Any) -> bool:
+  annotation = inspect.signature(fn).return_annotation
+  return inspect.isclass(annotation) and issubclass(
+      annotation, optax.GradientTransformation)
+
+
+def _public(module: Any) -> dict[str, Any]:
+  return {name: getattr(module, name) for name in module.__all__}
+
+
+WRAPPERS = {name: obj for name, obj in _public(optim).items()
+            if callable(obj) and _first_parameter(obj) == "optimizer"}
+TRANSFORMS = {name: obj for name, obj in _public(optim).items()
+              if inspect.isfunction(obj) and name not in WRAPPERS
+              and _returns_transform(obj)}
+SCHEDULES = {name: obj for name, obj in vars(optax.schedules).items()
+             if not name.startswith("_") and inspect.isfunction(obj)
+             and inspect.signature(obj).return_annotation == optax.Schedule}
+
+
+def _entry(entry: Any, what: str, registry: dict[str, Any]
+           ) -> tuple[Callable[..., Any], dict[str, Any]]:
+  """A `(name, kwargs)` pair checked against `registry`."""
+  if isinstance(entry, str) or len(entry) != 2:
+    raise ValueError(f"{what} {entry!r} is invalid; valid: a (name, kwargs) "
+                     "pair")
+  name, kwargs = entry
+  if name not in registry:
+    raise ValueError(f"unknown {what} {name!r}; valid: "
+                     f"{', '.join(sorted(registry))}")
+  return registry[name], dict(kwargs)
+
+
+def _with_workers(factory: Any, kwargs: dict[str, Any],
+                  num_replicas: int) -> dict[str, Any]:
+  if "num_workers" in inspect.signature(factory).parameters:
+    kwargs.setdefault("num_workers", num_replicas)
+  return kwargs
+
+
+def make_schedule(entry: tuple[str, dict[str, Any]]) -> optax.Schedule:
+  """An optax schedule from `(name, kwargs)`, e.g. warm-up plus cosine.
+
+  Examples:
+    >>> sched = make_schedule(("piecewise_constant_schedule",
+    ...                        {"init_value": 0.1,
+    ...                         "boundaries_and_scales": {100: 0.1}}))
+    >>> [round(float(sched(t)), 4) for t in (0, 99, 100)]  # step decay
+    [0.1, 0.1, 0.01]
+  """
+  factory, kwargs = _entry(entry, "schedule", SCHEDULES)
+  # Config dicts key by strings; step decay's boundaries are steps.
+  if "boundaries_and_scales" in kwargs:
+    kwargs["boundaries_and_scales"] = {
+        int(k): v for k, v in dict(kwargs["boundaries_and_scales"]).items()}
+  return factory(**kwargs)
+
+
+class DecoupledWeightDecayState(NamedTuple):
+  """State of `decoupled_weight_decay`."""
+
+  count: chex.Array  # [] int32, calls so far (saturating): the schedule's step.
+
+
+def decoupled_weight_decay(
+    weight_decay: float, learning_rate: optax.ScalarOrSchedule
+) -> optax.GradientTransformation:
+  r"""Adds the decoupled (AdamW) weight decay to finished updates.
+
+  .. math::
+    u \leftarrow u - \eta_t\, \lambda\, x
+
+  placed after an optimizer whose updates already carry :math:`-\eta_t`; with
+  `optax.adam(lr)` before it this is `optax.adamw(lr, weight_decay=wd)`.
+
+  Args:
+    weight_decay: :math:`\lambda`.
+    learning_rate: :math:`\eta_t`, a number or an optax schedule.
+
+  Returns:
+    An `optax.GradientTransformation`; its update needs `params`.
+
+  References:
+    Loshchilov & Hutter, `Decoupled Weight Decay Regularization
+    <https://arxiv.org/abs/1711.05101>`_, 2019.
+  """
+
+  def init_fn(params):
+    del params
+    return DecoupledWeightDecayState(jnp.zeros([], jnp.int32))
+
+  def update_fn(updates, state, params=None):
+    if params is None:
+      raise ValueError("decoupled weight decay needs params=; valid: the "
+                       "params the update will be applied to")
+    lr = learning_rate(state.count) if callable(learning_rate) else (
+        learning_rate)
+    updates = jax.tree.map(
+        lambda u, x: (u - lr * weight_decay * x).astype(u.dtype), updates,
+        params)
+    return updates, DecoupledWeightDecayState(optax.safe_increment(state.count))
+
+  return optax.GradientTransformation(init_fn, update_fn)
+
+
+def make(
+    transforms: Sequence[tuple[str, dict[str, Any]]],
+    optimizer: str,
+    optimizer_kwargs: dict[str, Any],
+    num_replicas: int = 1,
+    *,
+    lr_schedule: Sequence[Any] = (),
+    weight_decay: float = 0.0,
+    weight_decay_mode: str = "l2",
+    grad_clip_norm: float = 0.0,
+    wrapper: Sequence[Any] = (),
+) -> Any:
   """Chains the named `stalepipe.optim` transforms before `optax.<optimizer>`.
 
   Args:
     transforms: `(name, kwargs)` pairs, names from `TRANSFORMS`.
     optimizer: an optax alias such as `sgd`, `adam`, `adamw`.
     optimizer_kwargs: its keyword arguments.
-    num_replicas: the data replicas; `scale_by_variance_reduced_adam`'s
-      `num_workers` (SDPipe's N) defaults to it.
+    num_replicas: the data replicas; the default `num_workers` of transforms
+      and wrappers that take one (SDPipe's N, SAPipe's n).
+    lr_schedule: `(name, kwargs)` of an optax schedule (`SCHEDULES`) that
+      replaces `optimizer_kwargs["learning_rate"]`; `()` keeps it.
+    weight_decay: :math:`\\lambda`; 0 adds nothing.
+    weight_decay_mode: `"l2"` adds :math:`\\lambda x` to the gradient the
+      optimizer gets (SGD's `weight_decay`, DC-ASGD's and SAPipe's runs);
+      `"decoupled"` adds :math:`-\\eta_t \\lambda x` to its update (AdamW).
+    grad_clip_norm: clip the gradient the optimizer gets (after the
+      stalepipe transforms) to this global norm; 0 does not clip.
+    wrapper: `(name, kwargs)` of a wrapper from `WRAPPERS`, given the whole
+      chain as its `optimizer`; `()` for none.
 
   Returns:
-    The optimizer; `optax.GradientTransformationExtraArgs` when transforms
-    are chained.
+    The optimizer: an optax transform, or the wrapper object (which keeps
+    its `predict`, if it has one).
 
   Examples:
     >>> import jax.numpy as jnp
@@ -56,18 +209,44 @@ def make(transforms: Sequence[tuple[str, dict[str, Any]]], optimizer: str,
   if factory is None or not callable(factory) or optimizer.startswith("_"):
     raise ValueError(f"unknown optimizer {optimizer!r}; valid: an optax alias "
                      "such as sgd, adam, adamw")
+  if weight_decay_mode not in WEIGHT_DECAY_MODES:
+    raise ValueError(f"weight_decay_mode={weight_decay_mode!r} is invalid; "
+                     f"valid: {WEIGHT_DECAY_MODES}")
+  if weight_decay < 0 or grad_clip_norm < 0:
+    raise ValueError(f"weight_decay={weight_decay}, grad_clip_norm="
+                     f"{grad_clip_norm} is invalid; valid: both >= 0")
+  optimizer_kwargs = dict(optimizer_kwargs)
+  if lr_schedule:
+    optimizer_kwargs["learning_rate"] = make_schedule(lr_schedule)
   chain = []
   for entry in transforms:
-    if len(entry) != 2:
-      raise ValueError(f"transform {entry!r} is invalid; valid: a (name, "
-                       "kwargs) pair")
-    name, kwargs = entry
-    if name not in TRANSFORMS:
-      raise ValueError(f"unknown transform {name!r}; valid: "
-                       f"{', '.join(TRANSFORMS)}")
-    kwargs = dict(kwargs)
-    if name == "scale_by_variance_reduced_adam":
-      kwargs.setdefault("num_workers", num_replicas)
-    chain.append(getattr(optim, name)(**kwargs))
-  base = factory(**dict(optimizer_kwargs))
-  return optax.chain(*chain, base) if chain else base
+    transform, kwargs = _entry(entry, "transform", TRANSFORMS)
+    chain.append(transform(**_with_workers(transform, kwargs, num_replicas)))
+  if grad_clip_norm:
+    chain.append(optax.clip_by_global_norm(grad_clip_norm))
+  if weight_decay and weight_decay_mode == "l2":
+    chain.append(optax.add_decayed_weights(weight_decay))
+  chain.append(factory(**optimizer_kwargs))
+  if weight_decay and weight_decay_mode == "decoupled":
+    if "learning_rate" not in optimizer_kwargs:
+      raise ValueError(f"weight_decay_mode='decoupled' with optimizer_kwargs "
+                       f"{sorted(optimizer_kwargs)} is invalid; valid: "
+                       "optimizer_kwargs with learning_rate, or lr_schedule")
+    chain.append(decoupled_weight_decay(weight_decay,
+                                        optimizer_kwargs["learning_rate"]))
+  tx = optax.chain(*chain) if len(chain) > 1 else chain[0]
+  if not wrapper:
+    return tx
+  wrap, kwargs = _entry(wrapper, "optimizer wrapper", WRAPPERS)
+  return wrap(tx, **_with_workers(wrap, kwargs, num_replicas))
+
+
+def from_config(config: Any, num_replicas: int) -> Any:
+  """`make` with every optimizer field of a config (defaults where absent)."""
+  return make(config.transforms, config.optimizer, config.optimizer_kwargs,
+              num_replicas=num_replicas,
+              lr_schedule=config.get("lr_schedule", ()),
+              weight_decay=config.get("weight_decay", 0.0),
+              weight_decay_mode=config.get("weight_decay_mode", "l2"),
+              grad_clip_norm=config.get("grad_clip_norm", 0.0),
+              wrapper=config.get("optimizer_wrapper", ()))
