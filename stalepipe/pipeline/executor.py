@@ -76,9 +76,10 @@ def run_window(ctx: tick_lib.Stages, state: PipelineState, inputs, targets,
   H, B = ctx.program.history, ctx.window_minibatches
   C, K = ctx.program.num_slots, ctx.program.tables.kind.shape[0]
   step = state.step
+  past = lambda kept, now: now if kept is None else jnp.concatenate([kept, now])  # pylint: disable=unnecessary-lambda-assignment
   window = tick_lib.Window(
-      inputs=jnp.concatenate([state.history.inputs, inputs]),
-      targets=jnp.concatenate([state.history.targets, targets]), plan=plan,
+      inputs=past(state.history.inputs, inputs),
+      targets=past(state.history.targets, targets), plan=plan,
       base=(step % C) * (B * ctx.num_microbatches % C) % C, step=step,
       stage=jax.lax.axis_index(STAGE), replica=jax.lax.axis_index(DATA))
   carry = TickCarry(
@@ -98,7 +99,8 @@ def run_window(ctx: tick_lib.Stages, state: PipelineState, inputs, targets,
   new = PipelineState(
       ring=unlocal(carry.ring), opt_state=unlocal(carry.opt_state),
       grads=unlocal(carry.grads), buffers=unlocal(carry.buffers),
-      history=InputHistory(window.inputs[keep:], window.targets[keep:]),
+      history=InputHistory(*[None if H == 0 else x[keep:]
+                             for x in (window.inputs, window.targets)]),
       sync=unlocal(carry.sync), step=step + 1)
   return new, loss, num_losses
 
@@ -352,8 +354,8 @@ class Pipeline:
     kept = {} if ctx.residuals is None else {
         k: zeros((n,), k) for k, n in ctx.residuals.packing.lengths.items()}
     H, B = self.program.history, self.schedule.num_minibatches
-    past = lambda x: self._put(np.zeros((H * B,) + x.shape[1:], x.dtype),  # pylint: disable=unnecessary-lambda-assignment
-                               _WINDOW)
+    past = lambda x: None if H == 0 else self._put(  # pylint: disable=unnecessary-lambda-assignment
+        np.zeros((H * B,) + x.shape[1:], x.dtype), _WINDOW)
     return state._replace(
         buffers=Buffers(zeros(ctx.buffer_shape, ctx.buffer_dtype),
                         zeros(ctx.buffer_shape, ctx.buffer_dtype), kept),

@@ -31,10 +31,11 @@ class Buffers(NamedTuple):
 
 
 class InputHistory(NamedTuple):
-  """Earlier windows' inputs that tasks of this window still read."""
+  """Earlier windows' inputs that tasks of this window still read (None
+  where no task does, H = 0: no zero-size arrays in a checkpoint)."""
 
-  inputs: jax.Array  # [H*B, M, D*b, ...]
-  targets: jax.Array  # [H*B, M, D*b, ...]
+  inputs: jax.Array | None  # [H*B, M, D*b, ...]
+  targets: jax.Array | None  # [H*B, M, D*b, ...]
 
 
 class PipelineState(NamedTuple):

@@ -15,7 +15,6 @@ import re
 from typing import Any
 
 import jax
-import numpy as np
 import orbax.checkpoint as ocp
 
 # Fields that may change between a run and its resumption.
@@ -30,27 +29,22 @@ def _key(path) -> str:
 
 
 def _flat(tree: Any) -> dict[str, Any]:
-  """The non-empty leaves of `tree` by path (orbax cannot save size 0)."""
+  """The leaves of `tree` by path."""
   flat = {}
   for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-    if np.prod(leaf.shape):
-      key = _key(path)
-      if key in flat:
-        raise ValueError(f"two state leaves map to checkpoint key {key!r}; "
-                         "valid: leaf paths that differ in more than "
-                         "punctuation")
-      flat[key] = leaf
+    key = _key(path)
+    if key in flat:
+      raise ValueError(f"two state leaves map to checkpoint key {key!r}; "
+                       "valid: leaf paths that differ in more than "
+                       "punctuation")
+    flat[key] = leaf
   return flat
 
 
 def _unflat(abstract: Any, flat: dict[str, Any]) -> Any:
-  """`abstract`'s structure with the leaves of `flat`; size-0 leaves made."""
-  def leaf(path, a):
-    if np.prod(a.shape):
-      return flat[_key(path)]
-    return jax.make_array_from_callback(
-        a.shape, a.sharding, lambda index: np.zeros(a.shape, a.dtype)[index])
-  return jax.tree_util.tree_map_with_path(leaf, abstract)
+  """`abstract`'s structure with the leaves of `flat`."""
+  return jax.tree_util.tree_map_with_path(lambda path, _: flat[_key(path)],
+                                          abstract)
 
 
 def fingerprint(config_dict: dict[str, Any]) -> dict[str, Any]:

@@ -146,8 +146,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
                      f"num_stages={S} boundaries")
   schedule = schedules.make(config.schedule, num_stages=S, num_microbatches=M,
                             num_minibatches=B, **config.schedule_kwargs)
-  optimizer = optimizers.make(config.transforms, config.optimizer,
-                              config.optimizer_kwargs, num_replicas=D)
+  optimizer = optimizers.from_config(config, num_replicas=D)
   sync_kwargs = dict(config.sync_kwargs)
   if config.sync == "wsp":  # a wave is the schedule's N_m minibatches
     sync_kwargs.setdefault("concurrent_minibatches",
