@@ -26,7 +26,8 @@ from stalepipe.train import optimizers  # pylint: disable=g-import-not-at-top
 from stalepipe.train import trainer  # pylint: disable=g-import-not-at-top
 
 METHODS = ("gpipe", "1f1b", "pipedream", "2bw", "hetpipe_wsp", "timeprest",
-           "sapipe", "pipesgd", "sdpipe", "bsp", "zb_h1", "zb_h2", "zb_async")
+           "sapipe", "pipesgd", "sdpipe", "bsp", "zb_h1", "zb_h2", "zb_async",
+           "pipedream_dc", "spectrain", "pipemare")
 CONFIG_FILES = sorted(p.name for p in (ROOT / "configs").glob("*.py")
                       if p.name != "common.py")
 
