@@ -7,7 +7,9 @@ control flow. How that is lowered matters for speed: XLA:CPU runs a
 may sync with the host for each conditional in a loop (jax issues 5986 and
 2491). Each lowering here takes the same arguments, so the executor can swap
 one for another (`Pipeline(..., lowering=...)`) and benchmarks can compare
-them.
+them: `branches[stage][code]` are functions of `(carry, *rest)` returning
+`(carry, output)`, and code 0 is the same no-op on every stage (an idle
+tick, a tick without an update).
 """
 
 from typing import Callable, Sequence
@@ -15,18 +17,52 @@ from typing import Callable, Sequence
 import jax
 
 
+def _unless_idle(code, branches, busy: Callable, *args):
+  """Code 0 (the same no-op on every stage) as a two-way `lax.cond`, which
+  passes its operands through without a copy; only a busy tick enters the
+  multi-way conditional, which copies what its branches pass through."""
+  carry, *rest = args
+  return jax.lax.cond(code == 0, lambda c: branches[0][0](c, *rest),
+                      lambda c: busy(c, *rest), carry)
+
+
 def nested_switch(stage, code, branches: Sequence[Sequence[Callable]], *args):
-  """`lax.switch` over stages, then over the task's kind code."""
-  per_stage = [lambda c, *a, row=row: jax.lax.switch(c, row, *a)
-               for row in branches]
-  return jax.lax.switch(stage, per_stage, code, *args)
+  """Idle ticks pass through; a busy one `lax.switch`es over stages, then
+  over the task's kind code."""
+  def busy(*a):
+    per_stage = [lambda c, *a, row=row: jax.lax.switch(c - 1, row[1:], *a)
+                 for row in branches]
+    return jax.lax.switch(stage, per_stage, code, *a)
+  return _unless_idle(code, branches, busy, *args)
 
 
 def flat_switch(stage, code, branches: Sequence[Sequence[Callable]], *args):
-  """One `lax.switch` over (stage, kind code) pairs."""
-  width = len(branches[0])
-  flat = [fn for row in branches for fn in row]
-  return jax.lax.switch(stage * width + code, flat, *args)
+  """Idle ticks pass through; a busy one takes one `lax.switch` over
+  (stage, kind code) pairs."""
+  width = len(branches[0]) - 1
+  flat = [fn for row in branches for fn in row[1:]]
+  busy = lambda *a: jax.lax.switch(stage * width + code - 1, flat, *a)  # pylint: disable=unnecessary-lambda-assignment
+  return _unless_idle(code, branches, busy, *args)
+
+
+def cond_chain(stage, code, branches: Sequence[Sequence[Callable]], *args):
+  """One two-way `lax.cond` per (stage, kind), in sequence; code 0 (idle)
+  is the starting value.
+
+  A multi-way conditional copies every buffer a branch returns unchanged
+  (the gradient accumulator, on every tick that does not add to it); a
+  two-way conditional whose other branch passes its operands through does
+  not (measured on XLA:CPU, docs/executor.md). Branches take `(carry,
+  *rest)` and return `(carry, output)`.
+  """
+  carry, *rest = args
+  result = branches[0][0](carry, *rest)
+  for s, row in enumerate(branches):
+    for k, fn in enumerate(row[1:], start=1):
+      result = jax.lax.cond(
+          (stage == s) & (code == k),
+          lambda r, fn=fn: fn(r[0], *rest), lambda r: r, result)
+  return result
 
 
 def select_all(stage, code, branches: Sequence[Sequence[Callable]], *args):
@@ -43,7 +79,7 @@ def select_all(stage, code, branches: Sequence[Sequence[Callable]], *args):
 
 
 LOWERINGS = {"nested_switch": nested_switch, "flat_switch": flat_switch,
-             "select_all": select_all}
+             "cond_chain": cond_chain, "select_all": select_all}
 
 
 def get(name: str) -> Callable:

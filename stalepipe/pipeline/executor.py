@@ -350,7 +350,7 @@ class Pipeline:
     ctx = self._stages(inputs, targets)
     D, S, C = self.num_replicas, len(self.stage_fns), self.program.num_slots
     zeros = lambda shape, dtype: self._put(  # pylint: disable=unnecessary-lambda-assignment
-        np.zeros((D, S, C) + shape, dtype), _PER_DEVICE)
+        np.zeros((D, S, C + 1) + shape, dtype), _PER_DEVICE)  # + scratch
     kept = {} if ctx.residuals is None else {
         k: zeros((n,), k) for k, n in ctx.residuals.packing.lengths.items()}
     H, B = self.program.history, self.schedule.num_minibatches

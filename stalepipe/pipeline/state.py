@@ -22,11 +22,12 @@ class WeightRing(NamedTuple):
 
 
 class Buffers(NamedTuple):
-  """Per stage, C slots of micro-batches between their tasks."""
+  """Per stage, C slots of micro-batches between their tasks, and a scratch
+  slot (index C) that ticks with nothing to file write instead."""
 
-  acts: jax.Array  # [D, S, C, b, A]: a stage's inputs, kept for the backward
-  cots: jax.Array  # [D, S, C, b, A]: its output cotangents, until used
-  residuals: packing.Flat  # dtype -> [D, S, C, L_res]: the forward's
+  acts: jax.Array  # [D, S, C+1, b, A]: a stage's inputs, kept for backward
+  cots: jax.Array  # [D, S, C+1, b, A]: its output cotangents, until used
+  residuals: packing.Flat  # dtype -> [D, S, C+1, L_res]: the forward's
   #   residuals (`residuals.py`); empty with remat="recompute"
 
 

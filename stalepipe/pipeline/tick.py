@@ -7,10 +7,10 @@ In order, as `tick` runs them on every device (its stage of its replica):
    schedule's version map names, as the update rule predicts it) and the
    micro-batch's input (`stage_input`), and runs what the task's kind
    declares (`stalepipe.schedules.kinds`): the forward, the backward, or
-   both; it returns what it sends on (`Sends`).
-2. `exchange`: the sends move one hop along 'stage' (`ppermute`).
-3. `file_arrivals`: the receiver files them in the buffer slots its row
-   names.
+   both; it returns what it sends on and what it keeps (`TaskOutput`).
+2. `keep_residuals`, `exchange`, `file_arrivals`: what the task keeps is
+   written into its slot, the sends move one hop along 'stage'
+   (`ppermute`) and the receiver files them in the slots its row names.
 4. `apply_update`: at the end of the tick in which a stage's last
    weight-gradient task of a minibatch ends, the sync policy reduces the
    gradient, the optimizer steps, the policy acts on the new weights, and
@@ -84,11 +84,19 @@ class Window(NamedTuple):
   replica: jax.Array  # int32 []: this device's data replica
 
 
-class Sends(NamedTuple):
-  """What a task sends on this tick (zeros when nothing)."""
+class TaskOutput(NamedTuple):
+  """What a task sends on and keeps this tick (zeros when nothing).
+
+  Buffers are written one row per tick outside the task's branch, into the
+  slot the row names or, when there is nothing to write, into a scratch slot
+  (index C): a branch that returned a whole buffer would make every other
+  branch copy it, every tick.
+  """
 
   forward: jax.Array  # [b, A]: the output, to stage s+1
   backward: jax.Array  # [W, b, A]: input cotangents, to stage s-1
+  kept: packing.Flat  # dtype -> [L_res]: the forward's residuals (remat)
+  kept_slot: jax.Array  # int32 []: their slot; C (scratch) when none
 
 
 def ring_slot(versions: jax.Array, version) -> jax.Array:
@@ -136,10 +144,14 @@ def stage_input(ctx: Stages, s: int, carry: TickCarry, instr, window: Window,
                                                          offset)])
 
 
-def no_sends(ctx: Stages) -> Sends:
+def no_output(ctx: Stages) -> TaskOutput:
   width = ctx.program.backward_width
-  return Sends(jnp.zeros(ctx.buffer_shape, ctx.buffer_dtype),
-               jnp.zeros((width,) + ctx.buffer_shape, ctx.buffer_dtype))
+  lengths = {} if ctx.residuals is None else ctx.residuals.packing.lengths
+  return TaskOutput(
+      jnp.zeros(ctx.buffer_shape, ctx.buffer_dtype),
+      jnp.zeros((width,) + ctx.buffer_shape, ctx.buffer_dtype),
+      {k: jnp.zeros((n,), k) for k, n in lengths.items()},
+      jnp.asarray(ctx.program.num_slots, jnp.int32))
 
 
 def add_losses(carry: TickCarry, total, count) -> TickCarry:
@@ -149,7 +161,7 @@ def add_losses(carry: TickCarry, total, count) -> TickCarry:
 
 def idle(ctx: Stages, carry: TickCarry, instr, window: Window):
   del instr, window
-  return carry, no_sends(ctx)
+  return carry, no_output(ctx)
 
 
 def slot_of(ctx: Stages, instr, window: Window, offset: int = 0):
@@ -164,6 +176,7 @@ def forward(ctx: Stages, s: int, carry: TickCarry, instr, window: Window):
   weights, x = (task_weights(ctx, s, carry, instr),
                 stage_input(ctx, s, carry, instr, window))
   target = window.targets[instr.minibatch, instr.microbatch] if last else None
+  output = no_output(ctx)
   if ctx.residuals is None:
     y = ctx.fns[s](weights, x)
     out = ctx.loss_fn(y, target) if last else y
@@ -171,14 +184,12 @@ def forward(ctx: Stages, s: int, carry: TickCarry, instr, window: Window):
     out, pullback = jax.vjp(
         residuals_lib.objective(ctx.fns[s], ctx.loss_fn, last, target),
         weights, x)
-    row = residuals_lib.keep(ctx.residuals, s, pullback)
-    slot = slot_of(ctx, instr, window)
-    kept = {k: v.at[slot].set(row[k])
-            for k, v in carry.buffers.residuals.items()}
-    carry = carry._replace(buffers=carry.buffers._replace(residuals=kept))
+    output = output._replace(
+        kept=residuals_lib.keep(ctx.residuals, s, pullback),
+        kept_slot=slot_of(ctx, instr, window))
   if not last:
-    return carry, no_sends(ctx)._replace(forward=to_buffer(ctx, out))
-  return add_losses(carry, out, 1), no_sends(ctx)
+    return carry, output._replace(forward=to_buffer(ctx, out))
+  return add_losses(carry, out, 1), output
 
 
 def gradients(ctx: Stages, s: int, kind: kinds_lib.TaskKind, carry: TickCarry,
@@ -224,14 +235,14 @@ def backward(ctx: Stages, s: int, kind: kinds_lib.TaskKind, carry: TickCarry,
     grads = g_w if grads is None else jax.tree.map(jnp.add, grads, g_w)
     losses = losses + loss
     # Stage 0's input may be integer (token ids): no cotangent to send.
-    sends.append(to_buffer(ctx, g_x) if s > 0 else no_sends(ctx).forward)
+    sends.append(to_buffer(ctx, g_x) if s > 0 else no_output(ctx).forward)
   if kinds_lib.WEIGHT_GRADIENT in kind.produces:
     packed = ctx.params.pack(s, grads)
     carry = carry._replace(grads={k: carry.grads[k] + packed[k]
                                   for k in packed})
   if kind.runs_forward:
     carry = add_losses(carry, losses, ctx.program.backward_width)
-  out = no_sends(ctx)
+  out = no_output(ctx)
   if kinds_lib.INPUT_COTANGENT in kind.produces:
     out = out._replace(backward=jnp.stack(sends))
   return carry, out
@@ -254,32 +265,33 @@ def task_branches(ctx: Stages) -> list[list[Callable]]:
           for s in range(ctx.num_stages)]
 
 
-def exchange(ctx: Stages, sends: Sends) -> Sends:
+def keep_residuals(carry: TickCarry, output: TaskOutput) -> TickCarry:
+  """Writes the forward's residuals into their slot (or the scratch slot)."""
+  kept = {k: v.at[output.kept_slot].set(output.kept[k])
+          for k, v in carry.buffers.residuals.items()}
+  return carry._replace(buffers=carry.buffers._replace(residuals=kept))
+
+
+def exchange(ctx: Stages, output: TaskOutput) -> TaskOutput:
   """Every send moves one hop along 'stage'."""
   S = ctx.num_stages
-  return Sends(
-      jax.lax.ppermute(sends.forward, STAGE, [(s, s + 1) for s in range(S - 1)]),
-      jax.lax.ppermute(sends.backward, STAGE,
-                       [(s + 1, s) for s in range(S - 1)]))
+  return output._replace(
+      forward=jax.lax.ppermute(output.forward, STAGE,
+                               [(s, s + 1) for s in range(S - 1)]),
+      backward=jax.lax.ppermute(output.backward, STAGE,
+                                [(s + 1, s) for s in range(S - 1)]))
 
 
-def file_arrivals(ctx: Stages, carry: TickCarry, received: Sends, instr,
+def file_arrivals(ctx: Stages, carry: TickCarry, received: TaskOutput, instr,
                   window: Window) -> TickCarry:
-  """Files what arrived into the slots the stage's row names."""
+  """Files what arrived into the slots the stage's row names (a tick with
+  nothing arriving writes the scratch slot C)."""
   C = ctx.program.num_slots
-  acts, cots = carry.buffers.acts, carry.buffers.cots
-  at_f, at_b = instr.recv_forward, instr.recv_backward
-  acts = jax.lax.cond(
-      at_f >= 0, lambda: acts.at[(at_f + window.base) % C].set(received.forward),
-      lambda: acts)
-
-  def file_cotangents():
-    out = cots
-    for w in range(ctx.program.backward_width):
-      out = out.at[(at_b + window.base + w) % C].set(received.backward[w])
-    return out
-
-  cots = jax.lax.cond(at_b >= 0, file_cotangents, lambda: cots)
+  slot = lambda at, w=0: jnp.where(at >= 0, (at + window.base + w) % C, C)  # pylint: disable=unnecessary-lambda-assignment
+  acts = carry.buffers.acts.at[slot(instr.recv_forward)].set(received.forward)
+  cots = carry.buffers.cots
+  for w in range(ctx.program.backward_width):
+    cots = cots.at[slot(instr.recv_backward, w)].set(received.backward[w])
   return carry._replace(buffers=carry.buffers._replace(acts=acts, cots=cots))
 
 
@@ -315,13 +327,12 @@ def write_version(ring: WeightRing, params: packing.Flat, evict) -> WeightRing:
       latest=ring.latest + 1)
 
 
-def apply_update(ctx: Stages, window: Window, carry: TickCarry,
+def apply_update(ctx: Stages, s: int, window: Window, carry: TickCarry,
                  instr) -> TickCarry:
-  """The minibatch's update on this stage, with the sync policy around it."""
+  """Stage s's update of the minibatch its row names, with the sync policy
+  around it."""
   grads = ctx.sync.reduce_gradient(carry.grads, DATA)
-  params, opt_state = jax.lax.switch(
-      window.stage, [lambda c, g, i, s=s: optimizer_step(ctx, s, c, g, i)
-                     for s in range(ctx.num_stages)], carry, grads, instr)
+  params, opt_state = optimizer_step(ctx, s, carry, grads, instr)
   rel = instr.update_minibatch
   event = sync_lib.UpdateEvent(
       minibatch=(window.step - ctx.program.history) * ctx.window_minibatches
@@ -334,13 +345,20 @@ def apply_update(ctx: Stages, window: Window, carry: TickCarry,
       grads=jax.tree.map(jnp.zeros_like, carry.grads), sync=sync_state)
 
 
+def update_branches(ctx: Stages, window: Window) -> list[list[Callable]]:
+  """`[stage][code]`: nothing (0), or the stage's update (1)."""
+  return [[lambda c, i: (c, ()),
+           lambda c, i, s=s: (apply_update(ctx, s, window, c, i), ())]
+          for s in range(ctx.num_stages)]
+
+
 def tick(ctx: Stages, window: Window, carry: TickCarry, rows):
   """One tick on this device; `rows` holds every stage's row."""
   instr = jax.tree.map(lambda column: column[window.stage], rows)
-  carry, sends = ctx.lowering(window.stage, instr.kind, task_branches(ctx),
-                              carry, instr, window)
-  carry = file_arrivals(ctx, carry, exchange(ctx, sends), instr, window)
-  carry = jax.lax.cond(instr.update == 1,
-                       lambda c: apply_update(ctx, window, c, instr),
-                       lambda c: c, carry)
+  carry, output = ctx.lowering(window.stage, instr.kind, task_branches(ctx),
+                               carry, instr, window)
+  carry = keep_residuals(carry, output)
+  carry = file_arrivals(ctx, carry, exchange(ctx, output), instr, window)
+  carry, _ = ctx.lowering(window.stage, instr.update,
+                          update_branches(ctx, window), carry, instr)
   return carry, None
