@@ -172,10 +172,12 @@ def _emulate_cpu_devices(count: int = 8):
 
 
 class _LibraryErrors(py_logging.Filter):
-  """Drops orbax's own error logs: the launcher reports each failure once."""
+  """Drops orbax's (and its asyncio tasks') own error logs: the launcher
+  reports each failure once."""
 
   def filter(self, record):
-    return not ("orbax" in record.pathname and record.levelno <= py_logging.ERROR)
+    return not (("orbax" in record.pathname or record.name == "asyncio")
+                and record.levelno <= py_logging.ERROR)
 
 
 def _quiet_logs():
@@ -183,7 +185,11 @@ def _quiet_logs():
   if flags.FLAGS["verbosity"].present:
     return
   logging.set_verbosity(logging.WARNING)
-  logging.get_absl_logger().addFilter(_LibraryErrors())
+  for logger in (logging.get_absl_logger(), py_logging.getLogger("asyncio")):
+    logger.addFilter(_LibraryErrors())
+  # tensorstore's callbacks into orbax's closed event loop after a failed
+  # save: the failure itself is reported once, by the launcher.
+  sys.unraisablehook = lambda unraisable: None
 
 
 def _check_workdir(workdir: str):

@@ -87,8 +87,12 @@ def _checksums(flat: dict[str, Any]) -> dict[str, jax.Array]:
     else:
       unsigned = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[x.dtype.itemsize]
       words = jax.lax.bitcast_convert_type(x, unsigned).astype(jnp.uint32)
-    words = words.reshape(-1)
-    index = jnp.arange(words.size, dtype=jnp.uint32)
+    # The flat index of every word, without a reshape (arrays are sharded).
+    index, stride = jnp.zeros(words.shape, jnp.uint32), 1
+    for axis in reversed(range(words.ndim)):
+      index += (jax.lax.broadcasted_iota(jnp.uint32, words.shape, axis)
+                * jnp.uint32(stride))
+      stride *= words.shape[axis]
     weights = (index * jnp.uint32(2) + jnp.uint32(1)) * jnp.uint32(2654435761)
     return jnp.sum(words * weights, dtype=jnp.uint32)
   return {k: one(v) for k, v in flat.items()}
@@ -154,8 +158,8 @@ class Checkpointer:
           state=ocp.args.StandardSave(flat),
           position=ocp.args.JsonSave(position)), force=True)
     except Exception as e:  # orbax raises many types; all mean not saved
-      raise CheckpointError(f"saving checkpoint {self.directory}/{step} "
-                            f"failed: {_one_line(e)}") from e
+      raise CheckpointError(f"saving checkpoints in {self.directory} failed "
+                            f"at step {step}: {_one_line(e)}") from e
 
   def restore(self, abstract_state: Any, config_dict: dict[str, Any]
               ) -> tuple[Any, dict[str, Any]] | None:
@@ -179,10 +183,10 @@ class Checkpointer:
     for step in sorted(self._manager.all_steps(), reverse=True):
       path = os.path.join(self.directory, str(step))
       try:
-        state, position = self._restore(step, abstract_state)
-      except ValueError as e:
-        self.skipped.append(f"{path} ({e})")
-        self._set_aside(step)
+        position = self._manager.restore(step, args=ocp.args.Composite(
+            position=ocp.args.JsonRestore()))["position"]
+      except Exception as e:  # orbax raises many types; all mean unreadable
+        self._skip(step, f"corrupt: {_one_line(e)}")
         continue
       saved, current = position.pop("config", {}), fingerprint(config_dict)
       changed = sorted(k for k in saved.keys() | current.keys()
@@ -191,6 +195,12 @@ class Checkpointer:
         raise ValueError(f"checkpoint {path} is incompatible with this config "
                          f"(fields {', '.join(changed)} differ); valid: the "
                          "config it was written with, or a new --workdir")
+      try:
+        state = self._restore_state(step, abstract_state,
+                                    position.pop("checksums", None))
+      except ValueError as e:
+        self._skip(step, str(e))
+        continue
       return state, position
     if self.skipped:
       raise ValueError(f"no checkpoint in {self.directory} verifies: "
@@ -199,20 +209,14 @@ class Checkpointer:
                        "intact checkpoint, or a new --workdir")
     return None
 
-  def _restore(self, step: int, abstract_state: Any
-               ) -> tuple[Any, dict[str, Any]]:
-    """Step `step`, verified; ValueError (one line) saying why not."""
-    try:
-      position = self._manager.restore(step, args=ocp.args.Composite(
-          position=ocp.args.JsonRestore()))["position"]
-    except Exception as e:  # orbax raises many types; all mean unreadable
-      raise ValueError(f"corrupt: {_one_line(e)}") from e
-    saved_sums = position.pop("checksums", None)
+  def _restore_state(self, step: int, abstract_state: Any,
+                     saved_sums: dict[str, int] | None) -> Any:
+    """Step `step`'s state, verified; ValueError (one line) saying why not."""
     try:
       flat = self._manager.restore(step, args=ocp.args.Composite(
           state=ocp.args.StandardRestore(_flat(abstract_state))))["state"]
     except Exception as e:  # orbax raises many types; all mean unreadable
-      raise ValueError(f"corrupt or incompatible: {_one_line(e)}") from e
+      raise ValueError(f"corrupt: {_one_line(e)}") from e
     if saved_sums is not None:
       bad = sorted(k for k, v in checksums(flat).items()
                    if saved_sums.get(k) != v)
@@ -221,7 +225,11 @@ class Checkpointer:
                          f"{' ...' if len(bad) > 3 else ''}")
     if not bool(_finite(flat)):
       raise ValueError("the restored state is not finite")
-    return _unflat(abstract_state, flat), position
+    return _unflat(abstract_state, flat)
+
+  def _skip(self, step: int, why: str) -> None:
+    self.skipped.append(f"{self.directory}/{step} ({why})")
+    self._set_aside(step)
 
   def _set_aside(self, step: int) -> None:
     """Moves a bad step out of orbax's sight (it would block later saves)."""
@@ -245,7 +253,7 @@ class Checkpointer:
     try:
       self._manager.wait_until_finished()
     except Exception as e:  # orbax raises many types; all mean not saved
-      raise CheckpointError(f"saving a checkpoint in {self.directory} "
+      raise CheckpointError(f"saving checkpoints in {self.directory} "
                             f"failed: {_one_line(e)}") from e
     if jax.process_index() == 0:
       shutil.rmtree(os.path.join(self.directory, "deleted"),
@@ -261,4 +269,4 @@ class Checkpointer:
 
 def _one_line(e: Exception) -> str:
   text = " ".join(str(e).split()) or type(e).__name__
-  return text[:300]
+  return text if len(text) <= 300 else f"{text[:150]} ... {text[-150:]}"
