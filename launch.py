@@ -20,6 +20,7 @@ with one `launch.py: error: ...` line and a non-zero exit status.
 """
 
 import datetime
+import faulthandler
 import importlib.util
 import logging as py_logging
 import os
@@ -46,8 +47,9 @@ _INIT_TIMEOUT = flags.DEFINE_integer(
     lower_bound=1)
 _HEARTBEAT_TIMEOUT = flags.DEFINE_integer(
     "distributed_heartbeat_timeout", 60, "Seconds without a heartbeat after "
-    "which JAX's coordinator takes a process of a multi-host run for dead.",
-    lower_bound=1)
+    "which JAX's coordinator takes a process of a multi-host run for dead "
+    "(and aborts the others); the launcher stops them, naming it, after "
+    "half of this.", lower_bound=2)
 
 
 def _error(message: str, code: int = 1):
@@ -193,7 +195,8 @@ def _quiet_logs():
 
 
 def _check_workdir(workdir: str):
-  """A directory there, or a writable place to make one."""
+  """A directory there, or a writable place to make one (the trainer makes
+  it once the run is built)."""
   path = os.path.abspath(workdir)
   if os.path.exists(path) and not os.path.isdir(path):
     _error(f"--workdir={workdir} is invalid: it is a file; valid: a "
@@ -212,7 +215,6 @@ def _check_workdir(workdir: str):
   except OSError as e:
     _error(f"--workdir={workdir} is invalid: {parent} is not writable "
            f"({e.strerror}); valid: a writable directory")
-  os.makedirs(path, exist_ok=True)
 
 
 def _cluster_environment() -> bool:
@@ -253,6 +255,8 @@ def _initialize_distributed():
            f"{_NUM_PROCESSES.value - 1}")
   # CPU processes talk over gloo; GPUs use NCCL whatever this says.
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  if not flags.FLAGS["verbosity"].present:
+    faulthandler.disable()  # absl's: a thread dump per process on an abort
   timeout = _INIT_TIMEOUT.value
   joined = threading.Event()
 
@@ -276,6 +280,8 @@ def _initialize_distributed():
     _error(f"joining the multi-host run at {_COORDINATOR.value} failed: "
            f"{type(e).__name__}: {e}")
   joined.set()
+  from stalepipe.train import peers  # pylint: disable=g-import-not-at-top
+  peers.watch(_HEARTBEAT_TIMEOUT.value, _error)
 
 
 def _failure(e: BaseException) -> str:
@@ -324,6 +330,8 @@ def main(argv):
     summary = trainer.train_and_evaluate(config, workdir)
   except BaseException as e:  # pylint: disable=broad-except
     _error(_failure(e))
+  from stalepipe.train import peers  # pylint: disable=g-import-not-at-top
+  peers.done()
   if "preempted" in summary:
     sys.exit(f"launch.py: stopped by {summary['preempted']} at step "
              f"{summary['steps']}; checkpoint {summary['checkpoint']}; run "
@@ -339,7 +347,18 @@ def main(argv):
         f"workdir {workdir}")
 
 
+def _quiet_native_logs(argv):
+  """C++ logs of a multi-host run only from fatal up, unless --verbosity:
+  when a peer dies, JAX's coordination client logs its side of it in C++
+  while the launcher's one line says what happened."""
+  multi = any(a.startswith("--num_processes") for a in argv)
+  if (multi or _cluster_environment()) and not any(
+      a.startswith(("--verbosity", "-v=")) for a in argv):
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+
 if __name__ == "__main__":
   _emulate_cpu_devices()  # before anything imports JAX
+  _quiet_native_logs(sys.argv)
   _define_config_flag(sys.argv)
   app.run(main)
