@@ -137,6 +137,16 @@ def test_bad_value_is_one_line_naming_key_value_and_valid(overrides, message):
   assert "\n" not in str(e.value)
 
 
+def test_model_flags_and_nested_widths_pass():
+  config = default.get_config("variant=resnet_digits")
+  config.model_kwargs.bottleneck = True
+  validate.check(config)
+  config.model_kwargs.widths = (16, 0)
+  with pytest.raises(ValueError, match=r"model_kwargs.widths=\(16, 0\) is "
+                     "invalid; valid: positive integers"):
+    validate.check(config)
+
+
 def test_accepted_keys_come_from_the_registered_factories():
   assert validate.accepted_keys("schedule_kwargs", "hetpipe") == [
       "concurrent_minibatches"]

@@ -241,7 +241,7 @@ def _check_model(config) -> None:
                 models._REGISTRY[config.model],  # pylint: disable=protected-access
                 kwargs, {}, _FILLED_IN["model"])
   for key, value in kwargs.items():
-    if isinstance(value, bool) or not _positive_ints(value):
+    if not _positive_ints(value):
       _fail(f"model_kwargs.{key}", value,
             "positive integers (widths, depths and counts are >= 1)")
   if config.loss not in trainer.LOSSES:
