@@ -10,6 +10,7 @@ pending wave updates) are the ones a partial checkpoint would break.
 import json
 import os
 import pathlib
+import shutil
 import signal
 import sys
 import threading
@@ -118,18 +119,26 @@ def test_extending_num_steps_continues_the_run(tmp_path):
     np.testing.assert_array_equal(got[key], want[key], err_msg=key)
 
 
+def _steps(workdir):
+  return sorted(int(p.name) for p in (workdir / "checkpoints").iterdir()
+                if p.name.isdigit())
+
+
 def test_keeps_the_last_n_checkpoints(tmp_path):
   trainer.train_and_evaluate(tiny(num_steps=16, checkpoint_every=1,
                                   keep_checkpoints=3), str(tmp_path))
-  steps = sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir())
-  assert steps == [6, 7, 8]
+  assert _steps(tmp_path) == [6, 7, 8]
+  # Old steps are retired through deleted/, which is emptied after saves.
+  assert not (tmp_path / "checkpoints" / "deleted").exists()
 
 
 def test_unfinished_save_is_ignored_and_last_good_resumed(tmp_path):
   config = tiny(num_steps=8)
   trainer.train_and_evaluate(config, str(tmp_path))
-  # A save that crashed midway leaves only orbax's temporary directory.
+  # A save that crashed midway leaves only orbax's temporary directory, and
+  # a deletion that crashed midway a gutted step under deleted/.
   (tmp_path / "checkpoints" / "9.orbax-checkpoint-tmp-123").mkdir()
+  (tmp_path / "checkpoints" / "deleted" / "2" / "state").mkdir(parents=True)
   config.num_steps = 12
   summary = trainer.train_and_evaluate(config, str(tmp_path))
   assert summary["resumed_from_step"] == 8
@@ -140,16 +149,130 @@ def _largest_file(directory):
   return max(files, key=lambda p: p.stat().st_size)
 
 
-def test_corrupt_checkpoint_is_a_one_line_error_naming_it(tmp_path):
-  config = tiny(num_steps=8)
-  trainer.train_and_evaluate(config, str(tmp_path))
-  step_dir = tmp_path / "checkpoints" / "4"
+def _flip_bytes(path):
+  """Flips bytes in the middle of `path`, keeping its size."""
+  data = bytearray(path.read_bytes())
+  for i in range(len(data) // 2, len(data) // 2 + 8):
+    data[i] ^= 0xFF
+  path.write_bytes(bytes(data))
+
+
+def _tree_bytes(directory):
+  return {str(p.relative_to(directory)): p.read_bytes()
+          for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def _corrupt_truncated(step_dir):
   victim = _largest_file(step_dir / "state")
   victim.write_bytes(victim.read_bytes()[:victim.stat().st_size // 2])
-  with pytest.raises(ValueError, match="checkpoint .*checkpoints/4 is corrupt"
-                     ) as e:
+
+
+def _corrupt_flipped(step_dir):
+  _flip_bytes(_largest_file(step_dir / "state"))
+
+
+def _corrupt_emptied(step_dir):
+  shutil.rmtree(step_dir)
+  step_dir.mkdir()
+
+
+@pytest.mark.parametrize("corrupt,why", [
+    (_corrupt_truncated, "corrupt"),
+    (_corrupt_flipped, "checksum mismatch"),
+    (_corrupt_emptied, "corrupt"),
+])
+def test_bad_latest_checkpoint_is_skipped_and_the_run_ends_bit_for_bit(
+    tmp_path, corrupt, why):
+  straight, faulty = tmp_path / "straight", tmp_path / "faulty"
+  trainer.train_and_evaluate(tiny(num_steps=24), str(straight))
+  config = tiny(num_steps=16, checkpoint_every=4, keep_checkpoints=2)
+  trainer.train_and_evaluate(config, str(faulty))
+  assert _steps(faulty) == [4, 8]
+  corrupt(faulty / "checkpoints" / "8")
+  config.num_steps = 24
+  summary = trainer.train_and_evaluate(config, str(faulty))
+  assert summary["resumed_from_step"] == 8
+  assert summary["skipped_checkpoints"] == [
+      summary["skipped_checkpoints"][0]]
+  assert summary["skipped_checkpoints"][0].startswith(
+      f"{faulty}/checkpoints/8 ({why}")
+  # Kept for inspection, out of the way of later saves.
+  assert (faulty / "checkpoints" / "corrupt" / "8").is_dir()
+  want, got = params_of(straight), params_of(faulty)
+  for key in want:
+    np.testing.assert_array_equal(got[key], want[key], err_msg=key)
+
+
+def test_no_checkpoint_that_verifies_is_one_line_naming_each(tmp_path):
+  config = tiny(num_steps=8, checkpoint_every=2, keep_checkpoints=2)
+  trainer.train_and_evaluate(config, str(tmp_path))
+  for step in (2, 4):
+    _corrupt_flipped(tmp_path / "checkpoints" / str(step))
+  metrics_before = (tmp_path / "metrics.jsonl").read_bytes()
+  config.num_steps = 12
+  with pytest.raises(ValueError, match=r"no checkpoint in .*checkpoints "
+                     r"verifies: .*checkpoints/4 \(checksum mismatch.*"
+                     r"checkpoints/2 \(checksum mismatch") as e:
     trainer.train_and_evaluate(config, str(tmp_path))
   assert "\n" not in str(e.value)
+  assert (tmp_path / "metrics.jsonl").read_bytes() == metrics_before
+
+
+def test_rerunning_a_finished_workdir_changes_nothing(tmp_path):
+  config = tiny(num_steps=8)
+  first = trainer.train_and_evaluate(config, str(tmp_path))
+  before = _tree_bytes(tmp_path)
+  again = trainer.train_and_evaluate(config, str(tmp_path))
+  assert again["already_finished"] and again["steps"] == first["steps"]
+  assert _tree_bytes(tmp_path) == before
+
+
+def _strict_json(text):
+  def refuse(name):
+    raise ValueError(f"{name} is not JSON")
+  return json.loads(text, parse_constant=refuse)
+
+
+def test_stop_between_last_checkpoint_and_summary_finishes_it(tmp_path):
+  config = tiny(num_steps=8)
+  first = trainer.train_and_evaluate(config, str(tmp_path))
+  # Killed after the final checkpoint, before summary.json and params.npz.
+  (tmp_path / "summary.json").unlink()
+  (tmp_path / "params.npz").unlink()
+  second = trainer.train_and_evaluate(config, str(tmp_path))
+  summary = _strict_json((tmp_path / "summary.json").read_text())
+  assert summary["final_loss"] == first["final_loss"]
+  assert summary["steps_per_s"] > 0
+  assert second["resumed_from_step"] == 8
+  records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").open()]
+  finals = [r for r in records if "loss" not in r]
+  assert len(finals) == 1, finals
+  assert (tmp_path / "params.npz").stat().st_size > 0
+
+
+def test_num_steps_below_the_checkpoint_is_refused_untouched(tmp_path):
+  trainer.train_and_evaluate(tiny(num_steps=8), str(tmp_path))
+  before = _tree_bytes(tmp_path)
+  with pytest.raises(ValueError, match=r"num_steps=4 is below step 8 of "
+                     r"checkpoint .*checkpoints/4; valid: num_steps >= 8"):
+    trainer.train_and_evaluate(tiny(num_steps=4), str(tmp_path))
+  assert _tree_bytes(tmp_path) == before
+
+
+def test_signals_after_training_let_the_run_finish(tmp_path, monkeypatch):
+  """SIGTERM twice during the final evaluation: the run still completes."""
+  evaluate = trainer.evaluate
+
+  def signalled_evaluate(*args):
+    os.kill(os.getpid(), signal.SIGTERM)
+    os.kill(os.getpid(), signal.SIGTERM)
+    return evaluate(*args)
+
+  monkeypatch.setattr(trainer, "evaluate", signalled_evaluate)
+  summary = trainer.train_and_evaluate(tiny(num_steps=8), str(tmp_path))
+  assert summary["signal_after_training"] == "SIGTERM"
+  assert (tmp_path / "params.npz").stat().st_size > 0
+  assert _strict_json((tmp_path / "summary.json").read_text())["steps"] == 8
 
 
 def test_checkpoint_of_another_config_is_refused(tmp_path):

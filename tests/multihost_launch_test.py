@@ -12,6 +12,7 @@ import pathlib
 import socket
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -78,3 +79,49 @@ def test_partial_multihost_flags_are_a_one_line_error(tmp_path):
   last = result.stderr.strip().splitlines()[-1]
   assert last.startswith("launch.py: error: --coordinator_address, "
                          "--num_processes and --process_id are invalid alone")
+
+
+def _process(workdir, port, i, *flags):
+  return subprocess.Popen(
+      [sys.executable, "launch.py", *FLAGS, *flags, f"--workdir={workdir}",
+       f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2",
+       f"--process_id={i}"], cwd=ROOT, env=_env(4), stdout=subprocess.PIPE,
+      stderr=subprocess.PIPE, text=True)
+
+
+@pytest.mark.parametrize("present", [0, 1])
+def test_a_peer_that_never_starts_is_named_in_one_line(tmp_path, present):
+  start = time.time()
+  proc = _process(tmp_path / "w", _free_port(), present,
+                  "--distributed_init_timeout=3")
+  _, err = proc.communicate(timeout=120)
+  assert proc.returncode == 1 and time.time() - start < 60
+  assert err.strip().splitlines() == [
+      f"launch.py: error: process {present} of 2: process {1 - present} did "
+      "not join the coordinator at 127.0.0.1:" + err.split("127.0.0.1:")[1]
+      .split()[0] + " within 3 s (--distributed_init_timeout); start every "
+      "process with the same --coordinator_address and --num_processes"]
+  assert not (tmp_path / "w").exists()
+
+
+@pytest.mark.slow
+def test_a_peer_that_dies_is_named_in_one_line(tmp_path):
+  port, workdir = _free_port(), tmp_path / "w"
+  procs = [_process(workdir, port, i, "--config.num_steps=400000",
+                    "--config.log_every=1", "--config.checkpoint_every=0",
+                    "--distributed_heartbeat_timeout=10") for i in range(2)]
+  metrics = workdir / "metrics.jsonl"
+  while not (metrics.exists() and metrics.stat().st_size):
+    assert procs[0].poll() is None, procs[0].communicate()[1][-2000:]
+    time.sleep(0.1)
+  procs[1].kill()
+  procs[1].communicate()
+  start = time.time()
+  _, err = procs[0].communicate(timeout=120)
+  assert procs[0].returncode == 1 and time.time() - start < 30
+  assert err.strip().splitlines()[-1:] == [
+      "launch.py: error: process 0 of 2: process 1 stopped (no sign of it for "
+      f"{err.split('no sign of it for ')[1].split()[0]} s; see its own "
+      "output); stopping"], err[-3000:]
+  assert "Traceback" not in err and "Check failure" not in err
+  assert len(err.strip().splitlines()) <= 12  # its progress lines and this

@@ -5,17 +5,28 @@ optimizer states with their stale buffers and histories, activations in
 flight, the input history, clocks and the window count) through
 `ocp.args.StandardSave`, and the trainer's position plus the config's
 fingerprint as JSON. Saves are asynchronous; orbax writes each step into a
-temporary directory and renames it when complete, and deletes old steps
-(beyond `keep`) only after a newer one is finalised, so the last good
-checkpoint always survives a crash mid-save.
+temporary directory and renames it when complete, and retires old steps
+(beyond `keep`) only after a newer one is finalised, by renaming them into
+`deleted/` before removing them, so the last good checkpoint always survives
+a crash mid-save and no half-deleted step is ever taken for a checkpoint.
+
+What is restored is verified: each save records a checksum of every state
+leaf (computed on the devices, position-weighted, so one flipped byte
+changes it), and a restore recomputes it and checks the state finite. A
+checkpoint that fails (unreadable, empty, flipped bytes, non-finite) is moved
+to `corrupt/<step>`, kept for inspection, and the next older one is tried;
+`Checkpointer.skipped` says which and why.
 """
 
 import os
 import re
+import shutil
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 
 # Fields that may change between a run and its resumption.
 RESUMABLE_CHANGES = frozenset({"num_steps", "log_every", "eval_every",
@@ -52,6 +63,47 @@ def fingerprint(config_dict: dict[str, Any]) -> dict[str, Any]:
   return {k: v for k, v in config_dict.items() if k not in RESUMABLE_CHANGES}
 
 
+class CheckpointError(RuntimeError):
+  """A checkpoint could not be written (disk full, no permission, ...)."""
+
+
+@jax.jit
+def _checksums(flat: dict[str, Any]) -> dict[str, jax.Array]:
+  """A uint32 checksum per leaf: its raw bits, each word position-weighted.
+
+  The weights are odd, so changing any one word changes the sum mod 2**32.
+  """
+  def one(x):
+    if x.dtype == jnp.bool_:
+      words = x.astype(jnp.uint32)
+    elif x.dtype.itemsize == 8:
+      words = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    else:
+      unsigned = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[x.dtype.itemsize]
+      words = jax.lax.bitcast_convert_type(x, unsigned).astype(jnp.uint32)
+    # The flat index of every word, without a reshape (arrays are sharded).
+    index, stride = jnp.zeros(words.shape, jnp.uint32), 1
+    for axis in reversed(range(words.ndim)):
+      index += (jax.lax.broadcasted_iota(jnp.uint32, words.shape, axis)
+                * jnp.uint32(stride))
+      stride *= words.shape[axis]
+    weights = (index * jnp.uint32(2) + jnp.uint32(1)) * jnp.uint32(2654435761)
+    return jnp.sum(words * weights, dtype=jnp.uint32)
+  return {k: one(v) for k, v in flat.items()}
+
+
+def checksums(flat: dict[str, Any]) -> dict[str, int]:
+  """`_checksums` as plain ints (JSON)."""
+  return {k: int(v) for k, v in jax.device_get(_checksums(flat)).items()}
+
+
+@jax.jit
+def _finite(flat: dict[str, Any]) -> jax.Array:
+  leaves = [jnp.all(jnp.isfinite(x)) for x in flat.values()
+            if jnp.issubdtype(x.dtype, jnp.inexact)]
+  return jnp.all(jnp.stack(leaves)) if leaves else jnp.array(True)
+
+
 class Checkpointer:
   """Saves and restores `(state, position)` under `directory`.
 
@@ -74,10 +126,12 @@ class Checkpointer:
     if keep < 1:
       raise ValueError(f"keep_checkpoints={keep} is invalid; valid: >= 1")
     self.directory = os.path.abspath(directory)
+    self.skipped: list[str] = []  # "DIR/N (why)" per checkpoint skipped
     self._manager = ocp.CheckpointManager(
         self.directory, item_names=("state", "position"),
         options=ocp.CheckpointManagerOptions(
-            max_to_keep=keep, enable_async_checkpointing=True, create=True))
+            max_to_keep=keep, enable_async_checkpointing=True, create=True,
+            todelete_subdir="deleted"))
 
   def latest_step(self) -> int | None:
     """The newest finished checkpoint's window, or None."""
@@ -85,15 +139,28 @@ class Checkpointer:
 
   def save(self, step: int, state: Any, position: dict[str, Any],
            config_dict: dict[str, Any]) -> None:
-    """Starts an asynchronous save of `state` and `position` as `step`."""
-    position = dict(position, config=fingerprint(config_dict))
-    self._manager.save(step, args=ocp.args.Composite(
-        state=ocp.args.StandardSave(_flat(state)),
-        position=ocp.args.JsonSave(position)), force=True)
+    """Starts an asynchronous save of `state` and `position` as `step`.
+
+    Raises:
+      CheckpointError: if this or the previous (asynchronous) save failed.
+    """
+    flat = _flat(state)
+    position = dict(position, config=fingerprint(config_dict),
+                    checksums=checksums(flat))
+    try:
+      self._manager.save(step, args=ocp.args.Composite(
+          state=ocp.args.StandardSave(flat),
+          position=ocp.args.JsonSave(position)), force=True)
+    except Exception as e:  # orbax raises many types; all mean not saved
+      raise CheckpointError(f"saving checkpoints in {self.directory} failed "
+                            f"at step {step}: {_one_line(e)}") from e
 
   def restore(self, abstract_state: Any, config_dict: dict[str, Any]
               ) -> tuple[Any, dict[str, Any]] | None:
-    """The latest checkpoint, or None if there is none.
+    """The newest checkpoint that verifies, or None if there is none.
+
+    A checkpoint that does not verify is moved to `corrupt/<step>` and
+    noted in `self.skipped`, and the next older one is tried.
 
     Args:
       abstract_state: the state's structure, `jax.ShapeDtypeStruct` leaves
@@ -104,41 +171,96 @@ class Checkpointer:
       `(state, position)`.
 
     Raises:
-      ValueError: if the checkpoint is corrupt or belongs to a different
-        experiment, naming it.
+      ValueError: if no checkpoint verifies, or the newest readable one
+        belongs to a different experiment, naming them.
     """
-    step = self._manager.latest_step()
-    if step is None:
-      return None
-    path = os.path.join(self.directory, str(step))
-    try:
-      position = self._manager.restore(step, args=ocp.args.Composite(
-          position=ocp.args.JsonRestore()))["position"]
-    except Exception as e:  # orbax raises many types; all mean unreadable
-      raise ValueError(f"checkpoint {path} is corrupt: {_one_line(e)}") from e
-    saved, current = position.pop("config", {}), fingerprint(config_dict)
-    changed = sorted(k for k in saved.keys() | current.keys()
-                     if saved.get(k) != current.get(k))
-    if changed:
-      raise ValueError(f"checkpoint {path} is incompatible with this config "
-                       f"(fields {', '.join(changed)} differ); valid: the "
-                       "config it was written with, or a new --workdir")
+    for step in sorted(self._manager.all_steps(), reverse=True):
+      path = os.path.join(self.directory, str(step))
+      try:
+        position = self._manager.restore(step, args=ocp.args.Composite(
+            position=ocp.args.JsonRestore()))["position"]
+      except Exception as e:  # orbax raises many types; all mean unreadable
+        self._skip(step, f"corrupt: {_one_line(e)}")
+        continue
+      saved, current = position.pop("config", {}), fingerprint(config_dict)
+      changed = sorted(k for k in saved.keys() | current.keys()
+                       if saved.get(k) != current.get(k))
+      if changed:
+        raise ValueError(f"checkpoint {path} is incompatible with this config "
+                         f"(fields {', '.join(changed)} differ); valid: the "
+                         "config it was written with, or a new --workdir")
+      try:
+        state = self._restore_state(step, abstract_state,
+                                    position.pop("checksums", None))
+      except ValueError as e:
+        self._skip(step, str(e))
+        continue
+      return state, position
+    if self.skipped:
+      raise ValueError(f"no checkpoint in {self.directory} verifies: "
+                       f"{'; '.join(self.skipped)}; they are kept under "
+                       f"{self.directory}/corrupt; valid: a workdir with an "
+                       "intact checkpoint, or a new --workdir")
+    return None
+
+  def _restore_state(self, step: int, abstract_state: Any,
+                     saved_sums: dict[str, int] | None) -> Any:
+    """Step `step`'s state, verified; ValueError (one line) saying why not."""
     try:
       flat = self._manager.restore(step, args=ocp.args.Composite(
           state=ocp.args.StandardRestore(_flat(abstract_state))))["state"]
     except Exception as e:  # orbax raises many types; all mean unreadable
-      raise ValueError(f"checkpoint {path} is corrupt or incompatible: "
-                       f"{_one_line(e)}") from e
-    return _unflat(abstract_state, flat), position
+      raise ValueError(f"corrupt: {_one_line(e)}") from e
+    if saved_sums is not None:
+      bad = sorted(k for k, v in checksums(flat).items()
+                   if saved_sums.get(k) != v)
+      if bad:
+        raise ValueError(f"checksum mismatch in {', '.join(bad[:3])}"
+                         f"{' ...' if len(bad) > 3 else ''}")
+    if not bool(_finite(flat)):
+      raise ValueError("the restored state is not finite")
+    return _unflat(abstract_state, flat)
+
+  def _skip(self, step: int, why: str) -> None:
+    self.skipped.append(f"{self.directory}/{step} ({why})")
+    self._set_aside(step)
+
+  def _set_aside(self, step: int) -> None:
+    """Moves a bad step out of orbax's sight (it would block later saves)."""
+    if jax.process_index() == 0:
+      aside = os.path.join(self.directory, "corrupt")
+      os.makedirs(aside, exist_ok=True)
+      target = os.path.join(aside, str(step))
+      while os.path.exists(target):
+        target += "_"
+      os.rename(os.path.join(self.directory, str(step)), target)
+    if jax.process_count() > 1:
+      multihost_utils.sync_global_devices(f"checkpoint set aside {step}")
+    self._manager.reload()
 
   def wait(self) -> None:
-    """Blocks until pending saves are complete."""
-    self._manager.wait_until_finished()
+    """Blocks until pending saves are complete; then empties `deleted/`.
+
+    Raises:
+      CheckpointError: if a pending save failed.
+    """
+    try:
+      self._manager.wait_until_finished()
+    except Exception as e:  # orbax raises many types; all mean not saved
+      raise CheckpointError(f"saving checkpoints in {self.directory} "
+                            f"failed: {_one_line(e)}") from e
+    if jax.process_index() == 0:
+      shutil.rmtree(os.path.join(self.directory, "deleted"),
+                    ignore_errors=True)
 
   def close(self) -> None:
-    self._manager.close()
+    """Stops orbax's threads; safe after a failed save."""
+    try:
+      self._manager.close()
+    except Exception:  # pylint: disable=broad-except
+      pass  # the failure was reported by save or wait
 
 
 def _one_line(e: Exception) -> str:
   text = " ".join(str(e).split()) or type(e).__name__
-  return text[:300]
+  return text if len(text) <= 300 else f"{text[:150]} ... {text[-150:]}"

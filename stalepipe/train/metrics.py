@@ -1,7 +1,9 @@
 """Metrics out of a run: JSON lines, TensorBoard events, a progress bar, plots.
 
 Only process 0 writes (big_vision's habit); the others get a writer that
-drops everything. Files in the workdir:
+drops everything. The console shows one live progress line (rich: it is
+already a dependency of flax, and its console knows whether stderr is a
+terminal) with evaluation lines printed above it. Files in the workdir:
 
 - `metrics.jsonl`: one `{"step": ..., **metrics}` object per line;
 - `tb/`: TensorBoard event files with the same scalars;
@@ -9,16 +11,18 @@ drops everything. Files in the workdir:
 - `schedule.png`: a Gantt chart of the schedule of one window.
 """
 
+import datetime
 import json
 import os
 import resource
-import sys
 import time
 from typing import Any
 
 import jax
 import matplotlib
 import numpy as np
+from rich import console as rich_console
+from rich import progress as rich_progress
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
@@ -34,7 +38,8 @@ class Writer:
     enabled: False on processes other than 0: nothing is written.
     resume_step: for a resumed run, the step of its checkpoint: the records
       up to it are kept, later ones (written after that checkpoint, before
-      the stop) dropped. None starts anew.
+      the stop) dropped, and so is a final evaluation at that step (the
+      resumed run writes its own). None starts anew.
   """
 
   def __init__(self, workdir: str, enabled: bool, resume_step: int | None):
@@ -47,7 +52,8 @@ class Writer:
     if resume_step is not None and os.path.exists(path):
       with open(path) as f:
         self.records = [r for r in map(json.loads, filter(str.strip, f))
-                        if r["step"] <= resume_step]
+                        if r["step"] < resume_step or
+                        (r["step"] == resume_step and "loss" in r)]
     self._jsonl = open(path, "w")
     for record in self.records:
       self._jsonl.write(json.dumps(record) + "\n")
@@ -74,21 +80,73 @@ class Writer:
 
 
 class Progress:
-  """A one-line progress bar on stderr."""
+  """The run's console: one progress line, other lines printed above it.
 
-  def __init__(self, total: int, enabled: bool):
-    self.total, self.enabled, self.start = total, enabled, time.time()
+  On a terminal, a rich progress bar with the step, loss, steps/s and ETA
+  redraws in place. Elsewhere (CI logs, SLURM files) the same figures print
+  as plain lines, one per tenth of the run and one at the end, with no
+  carriage returns.
+
+  Args:
+    total: the step the run ends at.
+    enabled: False on processes other than 0: nothing is shown.
+    first: the step the run starts (or resumes) at.
+    console: where to draw; default: a rich console on stderr.
+  """
+
+  def __init__(self, total: int, enabled: bool, first: int = 0,
+               console: rich_console.Console | None = None):
+    self.total, self.enabled = total, enabled
+    self.console = console or rich_console.Console(stderr=True)
+    self.live = enabled and self.console.is_terminal
+    self._first, self._start, self._shown = first, None, first
+    self._bar = rich_progress.Progress(
+        rich_progress.BarColumn(), rich_progress.MofNCompleteColumn(),
+        rich_progress.TextColumn("{task.fields[figures]}"),
+        console=self.console, auto_refresh=False, disable=not self.live)
+    self._task = self._bar.add_task("train", total=total, completed=first,
+                                    figures="compiling")
+    if self.live:
+      self._bar.start()
+
+  def start(self, done: int) -> None:
+    """Starts the clock (after compilation) at step `done`."""
+    self._first, self._start = done, time.time()
+
+  def figures(self, done: int, loss: float) -> str:
+    """'loss 0.1234  123.4 steps/s  ETA 0:00:05' at step `done`."""
+    text = f"loss {loss:.4f}"
+    if self._start is not None and done > self._first:
+      rate = (done - self._first) / max(time.time() - self._start, 1e-9)
+      eta = datetime.timedelta(seconds=round((self.total - done) / rate))
+      text += f"  {rate:.1f} steps/s  ETA {eta}"
+    return text
 
   def show(self, done: int, loss: float) -> None:
+    """Moves the bar to step `done` with the latest training loss."""
     if not self.enabled:
       return
-    width = 30
-    filled = int(width * done / max(self.total, 1))
-    sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] "
-                     f"{done}/{self.total} loss {loss:.4f}")
-    if done >= self.total:
-      sys.stderr.write("\n")
-    sys.stderr.flush()
+    figures = self.figures(done, loss)
+    if self.live:
+      self._bar.update(self._task, completed=done, figures=figures)
+      self._bar.refresh()
+      return
+    tenth = max(self.total // 10, 1)
+    if done // tenth > self._shown // tenth or done >= self.total:
+      self._shown = done
+      self.console.print(f"step {done}/{self.total}  {figures}",
+                         highlight=False, soft_wrap=True)
+
+  def print(self, line: str) -> None:
+    """Prints `line` above the bar (on process 0 only)."""
+    if self.enabled:
+      self._bar.console.print(line, highlight=False, soft_wrap=True)
+
+  def close(self) -> None:
+    """Leaves the finished bar on screen; safe to call twice."""
+    if self.live:
+      self._bar.stop()
+      self.live = False
 
 
 def memory_bytes() -> dict[str, float]:

@@ -9,9 +9,13 @@ Flax examples' `train.py`. A run writes into its workdir:
   position. A run started on a workdir that holds a checkpoint resumes from
   it and ends with exactly the parameters of the uninterrupted run.
 
-SIGTERM or SIGINT stops the run after the current window with a checkpoint;
-a NaN or inf loss stops it, naming the step, without saving the broken
-state (the last good checkpoint stays).
+The config is checked whole (`validate.check`) before anything is built,
+and the workdir is written only once the run is built. SIGTERM or SIGINT
+stops the run after the current window with a checkpoint (once training is
+over, the final evaluation and files are finished first); a NaN or inf loss
+stops it, naming the step, without saving the broken state (the last good
+checkpoint stays). A failure closes the checkpoint manager and the writers
+on its way out, so the process always ends.
 """
 
 import json
@@ -34,6 +38,7 @@ from stalepipe.train import input_pipeline
 from stalepipe.train import metrics as metrics_lib
 from stalepipe.train import optimizers
 from stalepipe.train import preemption as preemption_lib
+from stalepipe.train import validate
 
 LOSSES = {"cross_entropy": losses.cross_entropy,
           "lm_cross_entropy": losses.lm_cross_entropy}
@@ -98,18 +103,42 @@ def evaluate(model_fn, params, x: np.ndarray, y: np.ndarray,
   return total_loss / count, correct / (count * np.prod(y.shape[1:]))
 
 
+def _finished_summary(workdir: str, num_steps: int) -> dict[str, Any] | None:
+  """The summary of a run in `workdir` that already ended at `num_steps`."""
+  try:
+    with open(os.path.join(workdir, "summary.json")) as f:
+      summary = json.load(f)
+  except (OSError, ValueError):
+    return None
+  return summary if summary.get("steps") == num_steps else None
+
+
 def train_and_evaluate(config: ml_collections.ConfigDict,
                        workdir: str) -> dict[str, Any]:
   """Trains per `config` in `workdir`, resuming from its latest checkpoint.
+
+  A workdir whose run already ended at `config.num_steps` (its summary and
+  final checkpoint written) is left as it is and its summary returned, with
+  `already_finished` set.
 
   Returns:
     The summary: final loss, test accuracy, steps (minibatches), throughput,
     and `preempted` (the signal's name) if a signal stopped the run.
 
   Raises:
-    ValueError: on a bad config, an unreadable or foreign checkpoint, or a
-      NaN/inf loss (naming the step).
+    ValueError: on a bad config, no checkpoint that verifies, a foreign
+      checkpoint, `num_steps` below the checkpoint's step, or a NaN/inf loss
+      (naming the step).
+    checkpoint_lib.CheckpointError: if a checkpoint cannot be written.
   """
+  validate.check(config)
+  with preemption_lib.Preemption() as preemption:
+    return _train(config, workdir, preemption)
+
+
+def _train(config: ml_collections.ConfigDict, workdir: str,
+           preemption: preemption_lib.Preemption) -> dict[str, Any]:
+  """`train_and_evaluate` with the signal handler already in place."""
   config_dict = json.loads(config.to_json())
   is_writer = jax.process_index() == 0
 
@@ -117,6 +146,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
   D, S = config.num_replicas, config.num_stages
   M, B, b = (config.num_microbatches, config.minibatches_per_window,
              config.microbatch_size)
+  num_windows = config.num_steps // B
   mesh = make_mesh(D, S)
   local = [r for r in range(D) if any(
       d.process_index == jax.process_index() for d in mesh.devices[r])]
@@ -133,9 +163,6 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
     return input_pipeline.window_batch(shards, window, B, M, b, config.seed)
 
   # Model, optimizer and pipeline.
-  if config.loss not in LOSSES:
-    raise ValueError(f"unknown loss {config.loss!r}; valid: "
-                     f"{', '.join(LOSSES)}")
   loss_fn = LOSSES[config.loss]
   blocks = models.make(config.model, seed=config.seed, **config.model_kwargs,
                        **model_kwargs(config.model, x_test[0], num_classes))
@@ -155,32 +182,63 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
   pipe = executor.Pipeline(staged.stage_fns, loss_fn, schedule, optimizer,
                            mesh, sync=sync)
   model_fn = jax.jit(models.unpipelined(staged))
+  batch(0)  # a window that does not fit the data fails here, not later
 
-  # Checkpoint: resume from the workdir's latest, if any.
+  # Checkpoint: resume from the workdir's newest checkpoint that verifies.
+  finished = _finished_summary(workdir, config.num_steps)
   ckpt = checkpoint_lib.Checkpointer(os.path.join(workdir, "checkpoints"),
                                      keep=config.keep_checkpoints)
-  restored, first = None, 0
-  if ckpt.latest_step() is not None:
-    restored = ckpt.restore(
-        pipe.abstract_state(staged.stage_params, *batch(0)), config_dict)
-    state, position = restored
-    first = position["window"]
-  else:
-    state = pipe.init(staged.stage_params)
+  console = metrics_lib.Progress(config.num_steps, is_writer)
+  writer = None
+  try:
+    if finished is not None and ckpt.latest_step() == num_windows:
+      console.close()
+      return dict(finished, already_finished=True)
+    restored, first = None, 0
+    if ckpt.latest_step() is not None:
+      restored = ckpt.restore(
+          pipe.abstract_state(staged.stage_params, *batch(0)), config_dict)
+    for line in ckpt.skipped:
+      console.print(f"skipped checkpoint {line}")
+    if restored is not None:
+      state, position = restored
+      first = position["window"]
+      if first > num_windows:
+        raise ValueError(
+            f"num_steps={config.num_steps} is below step {first * B} of "
+            f"checkpoint {ckpt.directory}/{first}; valid: num_steps >= "
+            f"{first * B} to continue it, or a new --workdir")
+      console.print(f"resuming from checkpoint {ckpt.directory}/{first} "
+                    f"(step {first * B})")
+    else:
+      state = pipe.init(staged.stage_params)
+    if is_writer:
+      with open(os.path.join(workdir, "config.json"), "w") as f:
+        f.write(config.to_json(indent=2))
+    writer = metrics_lib.Writer(
+        workdir, is_writer, resume_step=None if restored is None else first * B)
+    return _loop(config, workdir, pipe, state, first, restored is not None,
+                 batch, ckpt, writer, console, preemption, model_fn, loss_fn,
+                 (x_test, y_test), schedule, config_dict)
+  finally:  # whatever happened: pending saves end, threads and files close
+    console.close()
+    try:
+      ckpt.wait()
+    finally:
+      ckpt.close()
+      if writer is not None:
+        writer.close()
 
-  # Metrics.
-  if config.num_steps < B or config.num_steps % B:
-    raise ValueError(f"num_steps={config.num_steps} is not a multiple of "
-                     f"minibatches_per_window={B}; valid: a positive multiple "
-                     f"of {B}")
+
+def _loop(config, workdir, pipe, state, first, resumed, batch, ckpt, writer,
+          console, preemption, model_fn, loss_fn, test, schedule,
+          config_dict) -> dict[str, Any]:
+  """The training loop, then the final evaluation, summary and plots."""
+  is_writer = jax.process_index() == 0
+  D, S = config.num_replicas, config.num_stages
+  M, B, b = (config.num_microbatches, config.minibatches_per_window,
+             config.microbatch_size)
   num_windows = config.num_steps // B
-  if is_writer:
-    os.makedirs(workdir, exist_ok=True)
-    with open(os.path.join(workdir, "config.json"), "w") as f:
-      f.write(config.to_json(indent=2))
-  writer = metrics_lib.Writer(
-      workdir, is_writer, resume_step=None if restored is None else first * B)
-  progress = metrics_lib.Progress(num_windows * B, is_writer)
   examples_per_step = M * D * b
   static = {"bubble": schedule.bubble_fraction}
   # [replicas, minibatches]: what each forward missed, sync policy included.
@@ -207,66 +265,73 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
 
   # Loop. Window w (1-based) runs the rows of input window w - 1; metrics of
   # a window are read one window later, so the host never stalls the device.
-  start, loss, pending, preempted = None, float("nan"), None, None
-  try:
-    with preemption_lib.Preemption() as preemption:
-      for window in range(first + 1, num_windows + 1):
-        state, step_metrics = pipe.step(state, *batch(window - 1))
-        if start is None:  # time the steady state, after compilation
-          jax.block_until_ready(step_metrics)
-          start, start_window = time.time(), window
-        if pending is not None:
-          loss = check(*pending)
-        pending = (window, step_metrics)
-        if window % config.log_every == 0 or window == num_windows:
-          loss = check(*pending)
-          rate = (window - start_window) * B / max(time.time() - start, 1e-9)
-          # Whatever else the executor measures (e.g. num_losses) goes too.
-          record = {k: float(v) for k, v in step_metrics.items()
-                    if np.ndim(v) == 0}
-          seen = observed[:, (window - 1) * B:window * B]
-          record.update(loss=loss, steps_per_s=rate,
-                        examples_per_s=rate * examples_per_step, **static,
-                        staleness_mean=float(seen.mean()),
-                        staleness_max=float(seen.max()),
-                        state_bytes=metrics_lib.tree_bytes(state),
-                        **metrics_lib.memory_bytes())
-          if config.eval_every and window % config.eval_every == 0:
-            record["test_loss"], record["test_accuracy"] = evaluate(
-                model_fn, pipe.params(state), x_test, y_test, loss_fn)
-          writer.write(window * B, record)
-          progress.show(window * B, loss)
-        if preemption.requested():
-          check(*pending)
-          save(window)
-          preempted = preemption.signal_name or "SIGTERM"
-          break
-        if config.checkpoint_every and window % config.checkpoint_every == 0:
-          check(*pending)
-          save(window)
-      else:
-        if pending is not None:
-          loss = check(*pending)
-          if ckpt.latest_step() != num_windows:
-            save(num_windows)
-  finally:  # pending saves complete, even when the run fails
-    ckpt.wait()
-    ckpt.close()
+  start, start_window, pending, preempted = None, first, None, None
+  losses = [r["loss"] for r in writer.records if "loss" in r]
+  loss = losses[-1] if losses else float("nan")
+  window = first
+  for window in range(first + 1, num_windows + 1):
+    state, step_metrics = pipe.step(state, *batch(window - 1))
+    if start is None:  # time the steady state, after compilation
+      jax.block_until_ready(step_metrics)
+      start, start_window = time.time(), window
+      console.start(window * B)
+    if pending is not None:
+      loss = check(*pending)
+    pending = (window, step_metrics)
+    if window % config.log_every == 0 or window == num_windows:
+      loss = check(*pending)
+      rate = (window - start_window) * B / max(time.time() - start, 1e-9)
+      # Whatever else the executor measures (e.g. num_losses) goes too.
+      record = {k: float(v) for k, v in step_metrics.items()
+                if np.ndim(v) == 0}
+      seen = observed[:, (window - 1) * B:window * B]
+      record.update(loss=loss, steps_per_s=rate,
+                    examples_per_s=rate * examples_per_step, **static,
+                    staleness_mean=float(seen.mean()),
+                    staleness_max=float(seen.max()),
+                    state_bytes=metrics_lib.tree_bytes(state),
+                    **metrics_lib.memory_bytes())
+      if config.eval_every and window % config.eval_every == 0:
+        record["test_loss"], record["test_accuracy"] = evaluate(
+            model_fn, pipe.params(state), *test, loss_fn)
+        console.print(f"step {window * B}/{num_windows * B}  test loss "
+                      f"{record['test_loss']:.4f}  test accuracy "
+                      f"{record['test_accuracy']:.2%}")
+      writer.write(window * B, record)
+      console.show(window * B, loss)
+    if preemption.requested():
+      check(*pending)
+      save(window)
+      preempted = preemption.signal_name or "SIGTERM"
+      break
+    if config.checkpoint_every and window % config.checkpoint_every == 0:
+      check(*pending)
+      save(window)
+  else:
+    if pending is not None:
+      loss = check(*pending)
+    if ckpt.latest_step() != num_windows:
+      save(num_windows)
+  ckpt.wait()
+  console.close()
   done = window if preempted else num_windows
   elapsed = time.time() - start if start is not None else 0.0
-  steps_per_s = ((done - start_window) * B / elapsed
-                 if start is not None and done > start_window else 0.0)
+  if start is not None and done > start_window:
+    steps_per_s = (done - start_window) * B / elapsed
+  else:  # nothing left to train: the last logged figure of the run
+    rates = [r["steps_per_s"] for r in writer.records if "steps_per_s" in r]
+    steps_per_s = rates[-1] if rates else 0.0
   if preempted:
-    writer.close()
     return {"preempted": preempted, "steps": done * B, "final_loss": loss,
             "checkpoint": f"{ckpt.directory}/{done}"}
 
-  # Evaluation, summary and plots.
+  # Evaluation, summary and plots. A signal now waits for them to finish.
   params = pipe.params(state)
-  test_loss, accuracy = evaluate(model_fn, params, x_test, y_test, loss_fn)
+  test_loss, accuracy = evaluate(model_fn, params, *test, loss_fn)
   summary = {"final_loss": loss, "test_loss": test_loss,
              "test_accuracy": accuracy, "steps": num_windows * B,
-             "resumed_from_step": first * B if restored else None,
+             "resumed_from_step": first * B if resumed else None,
+             "skipped_checkpoints": ckpt.skipped,
              "steps_per_s": steps_per_s,
              "examples_per_s": steps_per_s * examples_per_step,
              "seconds": elapsed, **static,
@@ -276,10 +341,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
              "num_processes": jax.process_count()}
   writer.write(num_windows * B, {"test_loss": test_loss,
                                  "test_accuracy": accuracy})
-  writer.close()
   if is_writer:
-    with open(os.path.join(workdir, "summary.json"), "w") as f:
-      json.dump(summary, f, indent=2)
     flat = jax.tree_util.tree_flatten_with_path(params)[0]
     np.savez(os.path.join(workdir, "params.npz"),
              **{jax.tree_util.keystr(k): np.asarray(v) for k, v in flat})
@@ -289,4 +351,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
                               os.path.join(workdir, "loss.png"), title)
       metrics_lib.plot_schedule(schedule, os.path.join(workdir, "schedule.png"),
                                 f"{config.schedule}: S={S}, M={M}, B={B}")
+    # Written last and atomically: its presence means the run is complete.
+    tmp = os.path.join(workdir, "summary.json.tmp")
+    with open(tmp, "w") as f:
+      json.dump(summary, f, indent=2)
+    os.replace(tmp, os.path.join(workdir, "summary.json"))
+  if preemption.signum is not None:
+    summary["signal_after_training"] = preemption.signal_name
   return summary

@@ -1,0 +1,80 @@
+"""Noticing a lost peer process of a multi-host run, in one line.
+
+When a process of a multi-host run dies, the others block in their next
+collective until JAX's coordinator misses its heartbeats and aborts them
+with a C++ dump ("another task died"). This watch speaks first: every
+process bumps a counter of its own in JAX's distributed key-value store each
+second and reads the others'; a peer whose counter stands still for half the
+heartbeat timeout (and that has not said it is done) is reported through
+`on_lost`, which is expected to end the process.
+"""
+
+import threading
+import time
+from typing import Callable
+
+import jax
+from jax._src import distributed  # the runtime's client: its key-value store
+
+_PREFIX = "stalepipe/peers"
+
+
+def _client():
+  return distributed.global_state.client
+
+
+def watch(heartbeat_timeout: float, on_lost: Callable[[str], None],
+          interval: float = 1.0) -> None:
+  """Starts the watch in a daemon thread; nothing on a single process.
+
+  Args:
+    heartbeat_timeout: JAX's, in seconds; a peer is lost after half of it.
+    on_lost: called with a one-line description naming the lost process.
+    interval: seconds between beats.
+  """
+  if jax.process_count() == 1:
+    return
+  me, client = jax.process_index(), _client()
+  limit = heartbeat_timeout / 2
+
+  def beat_and_check():
+    seen = {p: (None, time.monotonic()) for p in range(jax.process_count())
+            if p != me}
+    while True:
+      try:
+        client.key_value_increment(f"{_PREFIX}/alive/{me}", 1)
+        for p, (last, since) in list(seen.items()):
+          if _try_get(client, f"{_PREFIX}/done/{p}") is not None:
+            del seen[p]
+            continue
+          value, now = _try_get(client, f"{_PREFIX}/alive/{p}"), time.monotonic()
+          if value != last:
+            seen[p] = (value, now)
+          elif now - since > limit:
+            on_lost(f"process {me} of {jax.process_count()}: process {p} "
+                    f"{'never started' if value is None else 'stopped'} "
+                    f"(no sign of it for {now - since:.0f} s; see its own "
+                    "output); stopping")
+      except Exception as e:  # pylint: disable=broad-except
+        on_lost(f"process {me} of {jax.process_count()}: lost the "
+                f"coordinator, process 0 (see its own output): "
+                f"{' '.join(str(e).split())[:200]}")
+      time.sleep(interval)
+
+  threading.Thread(target=beat_and_check, daemon=True).start()
+
+
+def _try_get(client, key: str) -> str | None:
+  try:
+    return client.key_value_try_get(key)
+  except Exception as e:  # pylint: disable=broad-except
+    if "NOT_FOUND" in str(e) or "not found" in str(e).lower():
+      return None
+    raise
+
+
+def done() -> None:
+  """Tells the others this process has finished: not lost when it exits."""
+  if jax.process_count() > 1:
+    _client().key_value_set(f"{_PREFIX}/done/{jax.process_index()}", "1",
+                            allow_overwrite=True)
