@@ -192,8 +192,10 @@ def simulate(policy_name: str, perturbations, scheds, cluster, costs,
   if policy_name == "BSP":
     numeric = sp.sync.bsp(PIPELINES)
   elif policy_name.startswith("WSP"):
+    # The mean server keeps WSP's step size equal to the other policies'
+    # (the sum, HetPipe's, steps n times as far per wave): docs/sync.md.
     numeric = sp.sync.wsp(PIPELINES, distance, CONCURRENT,
-                          delays=wsp_delays(result, distance))
+                          delays=wsp_delays(result, distance), server="mean")
   elif policy_name == "SDPipe":
     ready = result.applied_local.transpose(1, 0, 2)  # [B, S, N]
     numeric = sp.sync.sdpipe(PIPELINES, 10, iteration / PIPELINES,

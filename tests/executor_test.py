@@ -91,13 +91,17 @@ def test_executor_passes_stale_params_to_delay_compensation():
   assert diff > 1e-4
 
 
-@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
-def test_synchronous_schedules_equal_unpipelined_training(name):
-  S, M, B = 3, 2, 2
+@pytest.mark.parametrize("name,remat", [
+    ("gpipe", "recompute"), ("1f1b", "recompute"), ("zb-h1", "recompute"),
+    ("zb-h1", "residuals"), ("zb-h2", "recompute"), ("zb-h2", "residuals")])
+def test_synchronous_schedules_equal_unpipelined_training(name, remat):
+  S, B = 3, 2
+  M = 2 * S - 1 if name == "zb-h2" else S if name == "zb-h1" else 2
   staged = sp.models.split(sp.models.mlp(8, 6, 2, 4, seed=5), S)
   mesh = jax.make_mesh((2, S), ("data", "stage"))
   pipe = executor.Pipeline(staged.stage_fns, classification_loss,
-                           _make(name, S, M, B), optax.adam(0.05), mesh)
+                           _make(name, S, M, B), optax.adam(0.05), mesh,
+                           remat=remat)
   state = pipe.init(staged.stage_params)
   model = sp.models.unpipelined(staged)
   params, opt = staged.stage_params, optax.adam(0.05)

@@ -97,6 +97,35 @@ def test_update_rule_executor_equals_oracle(rule, name, options, S, D):
   assert _differs(got, _plain(schedule, inner, staged, D))
 
 
+@pytest.mark.parametrize("rule,name,options,policy,D", [
+    ("pipemare", "hetpipe", {"concurrent_minibatches": 2},
+     lambda D: sp.sync.wsp(D, 1, 2), 2),
+    ("spectrain", "pipedream", _NO_STASH,
+     lambda D: sp.sync.ad_psgd(D, seed=1), 4),
+    ("wp1", "1f1b", {}, lambda D: sp.sync.local_sgd(D, period=4), 2),
+])
+def test_update_rule_with_a_sync_policy_executor_equals_oracle(
+    rule, name, options, policy, D):
+  S = 2
+  schedule = sp.schedules.make(name, num_stages=S, num_microbatches=2,
+                               num_minibatches=2, **options)
+  # Without a gradient all-reduce WP's synchronised gradient is its own.
+  optimizer = _RULES[rule](1)
+  staged = sp.models.split(sp.models.mlp(8, 6, 1, 4, seed=6), S)
+  ex = executor.Pipeline(staged.stage_fns, cross_entropy, schedule, optimizer,
+                         jax.make_mesh((D, S), ("data", "stage")),
+                         sync=policy(D))
+  ref = reference.Pipeline(staged.stage_fns, cross_entropy, schedule,
+                           optimizer, num_replicas=D, sync=policy(D))
+  es, rs = ex.init(staged.stage_params), ref.init(staged.stage_params)
+  for x, y in _windows(3, 2, 2, 2 * D):
+    es, _ = ex.step(es, x, y)
+    rs, _ = ref.step(rs, x, y)
+  for d in range(D):
+    _close(ex.params(es, d), ref.params(rs, d))
+  assert _differs(ref.params(rs, 0), ref.params(rs, 1))  # not BSP in disguise
+
+
 def test_pipeline_hands_the_contract_arguments():
   """`staleness`, `stale_params` and predict's `ahead`/`since_forward` are the
   schedule's, for every update and task (recorded from the oracle)."""

@@ -327,12 +327,19 @@ def write_version(ring: WeightRing, params: packing.Flat, evict) -> WeightRing:
       latest=ring.latest + 1)
 
 
-def apply_update(ctx: Stages, s: int, window: Window, carry: TickCarry,
+def apply_update(ctx: Stages, window: Window, carry: TickCarry,
                  instr) -> TickCarry:
-  """Stage s's update of the minibatch its row names, with the sync policy
-  around it."""
+  """The minibatch's update on this stage, with the sync policy around it.
+
+  Only the optimizer step depends on the stage (its layout); the policy's
+  collectives run once, outside any stage-dependent branch.
+  """
   grads = ctx.sync.reduce_gradient(carry.grads, DATA)
-  params, opt_state = optimizer_step(ctx, s, carry, grads, instr)
+  (params, opt_state), _ = ctx.lowering(
+      window.stage, 1,
+      [[lambda c, g, i: ((read_version(c.ring, 0), c.opt_state), ()),
+        lambda c, g, i, s=s: (optimizer_step(ctx, s, c, g, i), ())]
+       for s in range(ctx.num_stages)], carry, grads, instr)
   rel = instr.update_minibatch
   event = sync_lib.UpdateEvent(
       minibatch=(window.step - ctx.program.history) * ctx.window_minibatches
@@ -345,13 +352,6 @@ def apply_update(ctx: Stages, s: int, window: Window, carry: TickCarry,
       grads=jax.tree.map(jnp.zeros_like, carry.grads), sync=sync_state)
 
 
-def update_branches(ctx: Stages, window: Window) -> list[list[Callable]]:
-  """`[stage][code]`: nothing (0), or the stage's update (1)."""
-  return [[lambda c, i: (c, ()),
-           lambda c, i, s=s: (apply_update(ctx, s, window, c, i), ())]
-          for s in range(ctx.num_stages)]
-
-
 def tick(ctx: Stages, window: Window, carry: TickCarry, rows):
   """One tick on this device; `rows` holds every stage's row."""
   instr = jax.tree.map(lambda column: column[window.stage], rows)
@@ -359,6 +359,7 @@ def tick(ctx: Stages, window: Window, carry: TickCarry, rows):
                                carry, instr, window)
   carry = keep_residuals(carry, output)
   carry = file_arrivals(ctx, carry, exchange(ctx, output), instr, window)
-  carry, _ = ctx.lowering(window.stage, instr.update,
-                          update_branches(ctx, window), carry, instr)
+  carry = jax.lax.cond(instr.update == 1,
+                       lambda c: apply_update(ctx, window, c, instr),
+                       lambda c: c, carry)
   return carry, None
