@@ -20,12 +20,15 @@ def command(config: str, overrides: dict, workdir: str) -> list[str]:
           + [f"--workdir={workdir}"])
 
 
-def run(config: str, overrides: dict, workdir: str) -> dict:
-  """Runs launch.py (quietly) and returns its `summary.json`."""
+def run(config: str, overrides: dict, workdir: str) -> dict | None:
+  """Runs launch.py (quietly) and returns its `summary.json`, or None when
+  the run diverged (the launcher's NaN stop)."""
   cmd = command(config, {"eval_every": 0, "checkpoint_every": 0,
                          "plots": False, **overrides}, workdir)
   done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT,
                         check=False)
+  if done.returncode and "loss is nan" in done.stderr:
+    return None
   if done.returncode:
     sys.exit(f"{' '.join(cmd)} failed: {done.stderr[-2000:]}")
   with open(os.path.join(workdir, "summary.json")) as f:

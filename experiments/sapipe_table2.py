@@ -4,7 +4,8 @@ Runs `python launch.py --config=configs/sapipe.py:rule=R,variant=V` for every
 row of SAPipe's Table 2 (sync = the non-stale BytePS/Horovod row, PipeSGD,
 SAPipe-DC, WP options 1, 2 and 3) and several seeds, each a fresh workdir,
 and reads the test accuracy from its `summary.json`. Prints a markdown table
-of mean +- std beside the paper's CIFAR-10 columns (seed 004 Table 2), and
+of mean +- std beside the paper's CIFAR-10 columns (seed 004 Table 2; a run
+that diverges, the launcher's NaN stop, is counted apart), and
 whether the paper's ordering holds: WP options 1 and 3 recover the non-stale
 accuracy where PipeSGD loses.
 
@@ -51,18 +52,22 @@ def main():
              "num_steps": args.steps,
              "optimizer_kwargs.learning_rate": args.lr},
             os.path.join(tmp, f"{rule}_{seed}"))
-        results.setdefault(rule, []).append(summary["test_accuracy"])
-        print(f"seed {seed} {rule:8s} {summary['test_accuracy']:.4f}",
+        accuracy = np.nan if summary is None else summary["test_accuracy"]
+        results.setdefault(rule, []).append(accuracy)
+        print(f"seed {seed} {rule:8s} "
+              f"{'diverged' if summary is None else f'{accuracy:.4f}'}",
               flush=True)
-  stats = {r: (float(np.mean(v)), float(np.std(v))) for r, v in
-           results.items()}
+  stats = {r: (float(np.nanmean(v)) if not np.isnan(v).all() else np.nan,
+               float(np.nanstd(v)) if not np.isnan(v).all() else np.nan,
+               int(np.isnan(v).sum())) for r, v in results.items()}
   print(f"\n| method | ours: {args.variant}, lr {args.lr}, {args.steps} steps, "
         f"{args.seeds} seeds | paper VGG16 CIFAR-10 | paper ResNet50 "
         "CIFAR-10 |\n|---|---|---|---|")
   for rule in RULES:
-    mean, std = stats[rule]
-    print(f"| {NAMES[rule]} | {mean:.4f} ± {std:.4f} | {PAPER[rule][0]} | "
-          f"{PAPER[rule][1]} |")
+    mean, std, diverged = stats[rule]
+    note = f" ({diverged} of {args.seeds} diverged)" if diverged else ""
+    print(f"| {NAMES[rule]} | {mean:.4f} ± {std:.4f}{note} | "
+          f"{PAPER[rule][0]} | {PAPER[rule][1]} |")
   base, stale = stats["sync"][0], stats["pipesgd"][0]
   print(f"\nPipeSGD loses {base - stale:+.4f} to the non-stale run; "
         f"WP-OPT1 {stats['wp1'][0] - base:+.4f}, WP-OPT3 "

@@ -45,10 +45,11 @@ def main():
             "num_steps": args.steps, "num_microbatches": 4,
             "optimizer_kwargs.learning_rate": args.lr, **overrides},
             os.path.join(tmp, f"{name}_{seed}".replace(" ", "_")))
-        results.setdefault(name, []).append(
-            (summary["final_loss"], summary["test_accuracy"]))
-        print(f"seed {seed} {name:14s} loss {summary['final_loss']:.4f} "
-              f"accuracy {summary['test_accuracy']:.4f}", flush=True)
+        row = ((np.nan, np.nan) if summary is None else
+               (summary["final_loss"], summary["test_accuracy"]))
+        results.setdefault(name, []).append(row)
+        print(f"seed {seed} {name:14s} loss {row[0]:.4f} "
+              f"accuracy {row[1]:.4f}", flush=True)
   print(f"\n| schedule | final loss | test accuracy |  (lr {args.lr}, "
         f"{args.steps} steps, {args.seeds} seeds)\n|---|---|---|")
   for name, rows in results.items():

@@ -126,9 +126,14 @@ def test_update_rule_with_a_sync_policy_executor_equals_oracle(
   assert _differs(ref.params(rs, 0), ref.params(rs, 1))  # not BSP in disguise
 
 
-def test_pipeline_hands_the_contract_arguments():
-  """`staleness`, `stale_params` and predict's `ahead`/`since_forward` are the
-  schedule's, for every update and task (recorded from the oracle)."""
+@pytest.mark.parametrize("name,stale", [
+    # seed 003: v = 1 iff W <= N + 1 (3 <= 3): one update sequence, gradients
+    # fresh at their update; PipeDream: version p - (S - 1 - s), stale.
+    ("timeprest", False), ("pipedream", True)])
+def test_pipeline_hands_the_contract_arguments(name, stale):
+  """`staleness`, `local_updates`, predict's `ahead`/`since_forward` are the
+  schedule's; `stale_params` comes only where the schedule makes gradients
+  stale (recorded from the oracle)."""
   seen = {"update": [], "predict": []}
 
   class Recorder:
@@ -137,7 +142,7 @@ def test_pipeline_hands_the_contract_arguments():
 
     def update(self, grads, state, params, **kwargs):
       seen["update"].append((int(kwargs["staleness"]),
-                             kwargs["stale_params"] is not None,
+                             "stale_params" in kwargs,
                              kwargs["local_updates"] is not None))
       return optax.sgd(0.1).update(grads, state, params)
 
@@ -145,23 +150,24 @@ def test_pipeline_hands_the_contract_arguments():
       seen["predict"].append((int(ahead), int(since_forward)))
       return weights
 
-  schedule = sp.schedules.make("timeprest", num_stages=3, num_microbatches=2,
+  schedule = sp.schedules.make(name, num_stages=3, num_microbatches=2,
                                num_minibatches=4)
   staged = sp.models.split(sp.models.mlp(8, 6, 2, 4), 3)
   ref = reference.Pipeline(staged.stage_fns, cross_entropy, schedule,
                            Recorder())
-  state = ref.init(staged.stage_params)
   x, y = next(_windows(1, 4, 2, 2))
-  ref.step(state, x, y)
+  ref.step(ref.init(staged.stage_params), x, y)
   stream = schedule.with_minibatches(8)
-  want_updates = sorted(
-      (stream.update_version(s, p) - stream.forward_version(s, p), True, True)
-      for (s, p), u in stream.update_ticks.items() if u < stream.num_ticks
-      and p < 4 + 0 * u)
-  assert sorted(seen["update"]) == want_updates[:len(seen["update"])]
-  assert max(s for s, _, _ in seen["update"]) > 0
-  assert any(b > 0 for _, b in seen["predict"])  # nF1B backward reads newer
+  end = min(t.tick for t in stream.tasks  # window 0 ends where minibatch 4
+            if t.minibatch == 4 and t.stage == 0)  # enters the pipeline
+  want = sorted(
+      (stream.update_version(s, p) - stream.forward_version(s, p), stale, True)
+      for (s, p), u in stream.update_ticks.items() if u < end)
+  assert sorted(seen["update"]) == want
+  assert seen["update"] and max(t for t, _, _ in seen["update"]) > 0
   assert all(a >= 0 and b >= 0 for a, b in seen["predict"])
+  if name == "timeprest":
+    assert any(b > 0 for _, b in seen["predict"])  # nF1B backward reads newer
 
 
 @pytest.mark.parametrize("option", [1, 2, 3])
@@ -213,3 +219,40 @@ def test_weight_prediction_must_count_the_replicas_it_averages():
                        sp.optim.WeightPrediction(optax.sgd(0.1), 3,
                                                  num_workers=4),
                        num_replicas=4, sync=sp.sync.local_sgd(4, 2))
+
+
+def _data_parallel(optimizer, D, steps, seed=5):
+  """The executor on D replicas x 1 stage (a flush schedule) and the same
+  optimizer in a hand-written data-parallel loop (gradients averaged)."""
+  staged = sp.models.split(sp.models.mlp(8, 6, 1, 4, seed=4), 1)
+  model = sp.models.unpipelined(staged)
+  schedule = sp.schedules.make("gpipe", num_stages=1, num_microbatches=1,
+                               num_minibatches=steps)
+  pipe = executor.Pipeline(staged.stage_fns, cross_entropy, schedule,
+                           optimizer, jax.make_mesh((D, 1), ("data", "stage")))
+  state = pipe.init(staged.stage_params)
+  x, y = next(_windows(1, steps, 1, 2 * D, seed=seed))
+  state, _ = pipe.step(state, x, y)
+  params, opt_state = staged.stage_params, optimizer.init(staged.stage_params)
+  for t in range(steps):
+    synced = jax.tree.map(lambda *g: sum(g) / D, *[
+        jax.grad(lambda w: cross_entropy(  # pylint: disable=cell-var-from-loop
+            model(w, x[t, 0, 2 * d:2 * d + 2]), y[t, 0, 2 * d:2 * d + 2]))(
+                params) for d in range(D)])
+    updates, opt_state = optimizer.update(synced, opt_state, params)
+    params = optax.apply_updates(params, updates)
+  return pipe.params(state), params
+
+
+def test_sapipe_dc_compensates_its_own_delay_on_a_flush_schedule():
+  """SAPipe-DC: the all-reduced gradient applied one step late, compensated
+  with full DC for x_t - x_{t-1} from the transform's own history. On a
+  flush schedule the executor passes no stale_params (the schedule's
+  gradients are fresh), so the chain runs as in user code."""
+  sgd = optax.sgd(0.3, 0.9)
+  dc = optax.chain(sp.optim.stale_gradients(1),
+                   sp.optim.delay_compensation(2.0, form="full", delay=1), sgd)
+  got, want = _data_parallel(dc, D=4, steps=6)
+  _close(got, want)
+  plain, _ = _data_parallel(optax.chain(sp.optim.stale_gradients(1), sgd), 4, 6)
+  assert _differs(got, plain)  # the compensation really acts

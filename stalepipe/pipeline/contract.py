@@ -9,7 +9,10 @@ passing the extra arguments when the optimizer takes them (an
 `optax.GradientTransformationExtraArgs`, or an optimizer with `predict`):
 
 - `stale_params`: the weights p's gradient was computed on (its first
-  backward's version: `Schedule.gradient_version`);
+  backward's version: `Schedule.gradient_version`), passed only where the
+  schedule makes gradients stale (`schedule_is_stale`); with a synchronous
+  schedule a transform that delays gradients itself (SAPipe's 1-step stale
+  all-reduce) compensates from its own history;
 - `staleness`: updates the stage applied between p's forward read and this
   update (`update_version - forward_version`, PipeMare's tau);
 - `local_updates`: this replica's own gradient; `grads` is what the sync
@@ -35,6 +38,25 @@ def takes_extra_args(optimizer) -> bool:
   """Whether `update` gets `stale_params`, `staleness` and `local_updates`."""
   return (isinstance(optimizer, optax.GradientTransformationExtraArgs)
           or predicts(optimizer))
+
+
+def schedule_is_stale(schedule) -> bool:
+  """Whether some update applies a gradient computed on older weights."""
+  stream = schedule.with_minibatches(4 * schedule.num_minibatches)
+  return any(stream.update_version(s, p) != stream.gradient_version(s, p)
+             for s, p in stream.update_ticks)
+
+
+def extra_args(optimizer, stale_schedule: bool, stale_params, staleness,
+               local_updates) -> dict:
+  """The keyword arguments `optimizer.update` gets in a pipeline
+  (`stale_schedule`: `schedule_is_stale` of its schedule)."""
+  if not takes_extra_args(optimizer):
+    return {}
+  kwargs = dict(staleness=staleness, local_updates=local_updates)
+  if stale_schedule:
+    kwargs["stale_params"] = stale_params
+  return kwargs
 
 
 def check(stage_fns, schedule, optimizer, sync, num_replicas: int) -> None:

@@ -161,6 +161,7 @@ class Pipeline:
     self.sync = sync
     self.lowering = dispatch.get(lowering)
     self.program = program_lib.compile_program(schedule)
+    self._stale_schedule = contract.schedule_is_stale(schedule)
     self._param_packing = self._opt_packing = None
     self._steps = {}
     self._tables = self._static_plan = None
@@ -343,7 +344,8 @@ class Pipeline:
         buffer_shape=(b, width), buffer_dtype=dtype,
         num_microbatches=self.schedule.num_microbatches,
         window_minibatches=self.schedule.num_minibatches,
-        lowering=self.lowering, residuals=layout)
+        lowering=self.lowering, residuals=layout,
+        stale_schedule=self._stale_schedule)
 
   def _allocate(self, state, inputs, targets) -> PipelineState:
     """Zero activation buffers and input history, on first use."""

@@ -83,6 +83,7 @@ class Pipeline:
     self.optimizer = optimizer
     self.num_replicas = num_replicas
     self.sync = sync
+    self._stale_schedule = contract.schedule_is_stale(schedule)
 
   def init(self, stage_params: Sequence[Any]) -> ReferenceState:
     """Version 0 of every stage on every replica, and fresh optimizer states."""
@@ -209,13 +210,12 @@ class Pipeline:
     current = [w.versions[(d, s)][-1] for d in range(D)]
     new = []
     for d in range(D):
-      kwargs = {}
-      if contract.takes_extra_args(self.optimizer):
-        kwargs = dict(
-            stale_params=w.versions[(d, s)][stream.gradient_version(s, p)],
-            staleness=(stream.update_version(s, p)
-                       - stream.forward_version(s, p)),
-            local_updates=own[d])
+      kwargs = contract.extra_args(
+          self.optimizer, self._stale_schedule,
+          stale_params=w.versions[(d, s)][stream.gradient_version(s, p)],
+          staleness=(stream.update_version(s, p)
+                     - stream.forward_version(s, p)),
+          local_updates=own[d])
       upd, w.opt_states[(d, s)] = self.optimizer.update(
           g[d], w.opt_states[(d, s)], current[d], **kwargs)
       new.append(optax.apply_updates(current[d], upd))

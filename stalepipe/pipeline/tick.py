@@ -56,15 +56,11 @@ class Stages(NamedTuple):
   window_minibatches: int  # B
   lowering: Callable  # `dispatch.LOWERINGS` entry
   residuals: residuals_lib.Layout | None  # remat="residuals"; None: recompute
+  stale_schedule: bool  # `contract.schedule_is_stale`: pass stale_params
 
   @property
   def num_stages(self) -> int:
     return len(self.fns)
-
-  @property
-  def extra_args(self) -> bool:
-    """Whether the optimizer takes the pipeline's extra update arguments."""
-    return contract.takes_extra_args(self.optimizer)
 
   @property
   def predicts(self) -> bool:
@@ -303,13 +299,12 @@ def optimizer_step(ctx: Stages, s: int, carry: TickCarry, grads, instr):
   (`local_updates`; `grads` may be the replicas' mean)."""
   current = ctx.params.unpack(s, read_version(carry.ring, 0))
   opt_state = ctx.opt.unpack(s, carry.opt_state)
-  kwargs = {}
-  if ctx.extra_args:
-    kwargs = dict(
-        stale_params=ctx.params.unpack(
-            s, read_version(carry.ring, instr.update_lag)),
-        staleness=instr.update_staleness,
-        local_updates=ctx.params.unpack(s, carry.grads))
+  kwargs = contract.extra_args(
+      ctx.optimizer, ctx.stale_schedule,
+      stale_params=ctx.params.unpack(s, read_version(carry.ring,
+                                                     instr.update_lag)),
+      staleness=instr.update_staleness,
+      local_updates=ctx.params.unpack(s, carry.grads))
   updates, opt_state = ctx.optimizer.update(ctx.params.unpack(s, grads),
                                             opt_state, current, **kwargs)
   return (ctx.params.pack(s, optax.apply_updates(current, updates)),
