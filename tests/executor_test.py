@@ -106,6 +106,7 @@ def test_synchronous_schedules_equal_unpipelined_training(name, remat):
   model = sp.models.unpipelined(staged)
   params, opt = staged.stage_params, optax.adam(0.05)
   opt_state = opt.init(params)
+  history = [params]  # unpipelined training after 0, 1, 2, ... updates
   for x, y in _windows(2, B, M, 4, 8, 4, seed=1):
     state, _ = pipe.step(state, x, y)
     for p in range(B):
@@ -114,7 +115,14 @@ def test_synchronous_schedules_equal_unpipelined_training(name, remat):
            for m in range(M)])))(params)
       updates, opt_state = opt.update(grads, opt_state, params)
       params = optax.apply_updates(params, updates)
-  _assert_trees_close(pipe.params(state), params)
+      history.append(params)
+  # Without a flush (zb-h2) a stage may not have applied the last minibatch's
+  # update when the window ends: each stage equals unpipelined training after
+  # as many updates as it applied.
+  applied = np.asarray(jax.device_get(state.ring.latest))[0]
+  assert applied.min() >= 2 * B - 1
+  for s, got in enumerate(pipe.params(state)):
+    _assert_trees_close(got, history[applied[s]][s])
 
 
 def test_stash_ring_is_as_deep_as_the_schedule_needs():

@@ -52,16 +52,13 @@ def cond_chain(stage, code, branches: Sequence[Sequence[Callable]], *args):
   A multi-way conditional copies every buffer a branch returns unchanged
   (the gradient accumulator, on every tick that does not add to it); a
   two-way conditional whose other branch passes its operands through does
-  not (measured on XLA:CPU, docs/executor.md). Branches take `(carry,
-  *rest)` and return `(carry, output)`.
+  not (measured on XLA:CPU, docs/executor.md).
   """
-  carry, *rest = args
-  result = branches[0][0](carry, *rest)
+  result = branches[0][0](*args)
   for s, row in enumerate(branches):
     for k, fn in enumerate(row[1:], start=1):
-      result = jax.lax.cond(
-          (stage == s) & (code == k),
-          lambda r, fn=fn: fn(r[0], *rest), lambda r: r, result)
+      result = jax.lax.cond((stage == s) & (code == k),
+                            lambda r, fn=fn: fn(*args), lambda r: r, result)
   return result
 
 
