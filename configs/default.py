@@ -70,6 +70,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.num_microbatches = 4
   config.microbatch_size = 8  # examples per micro-batch per data replica
   config.minibatches_per_window = 4  # minibatches per jitted pipeline step
+  # "recompute": a backward task recomputes its forward from the kept input;
+  # "residuals": the forward keeps its jax.vjp residuals (more memory).
+  config.remat = "recompute"
   # Synchronisation across the data replicas (stalepipe.sync).
   config.sync = "bsp"
   config.sync_kwargs = ml_collections.ConfigDict()

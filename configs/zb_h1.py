@@ -23,4 +23,5 @@ from configs import default
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config = default.get_config(arg)
   config.schedule = "zb-h1"
+  config.remat = "residuals"  # split backward tasks reuse the forward's pullback
   return config

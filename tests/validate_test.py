@@ -173,6 +173,8 @@ def test_accepted_keys_come_from_the_registered_factories():
     ("optimizer_wrapper", ("SpecTrain", {"lr": 0.1}), "takes no 'lr'"),
     ("sync_kwargs", {"clock_distance": 0, "server": "max"},
      "server='max' is invalid; valid: 'sum' or 'mean'"),
+    ("remat", "keep", "remat='keep' is invalid; valid: 'recompute' or "
+     "'residuals'"),
 ])
 def test_optimizer_parts_are_refused_in_one_line(key, value, message):
   config = default.get_config()

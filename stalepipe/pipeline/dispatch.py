@@ -17,32 +17,18 @@ from typing import Callable, Sequence
 import jax
 
 
-def _unless_idle(code, branches, busy: Callable, *args):
-  """Code 0 (the same no-op on every stage) as a two-way `lax.cond`, which
-  passes its operands through without a copy; only a busy tick enters the
-  multi-way conditional, which copies what its branches pass through."""
-  carry, *rest = args
-  return jax.lax.cond(code == 0, lambda c: branches[0][0](c, *rest),
-                      lambda c: busy(c, *rest), carry)
-
-
 def nested_switch(stage, code, branches: Sequence[Sequence[Callable]], *args):
-  """Idle ticks pass through; a busy one `lax.switch`es over stages, then
-  over the task's kind code."""
-  def busy(*a):
-    per_stage = [lambda c, *a, row=row: jax.lax.switch(c - 1, row[1:], *a)
-                 for row in branches]
-    return jax.lax.switch(stage, per_stage, code, *a)
-  return _unless_idle(code, branches, busy, *args)
+  """`lax.switch` over stages, then over the task's kind code."""
+  per_stage = [lambda c, *a, row=row: jax.lax.switch(c, row, *a)
+               for row in branches]
+  return jax.lax.switch(stage, per_stage, code, *args)
 
 
 def flat_switch(stage, code, branches: Sequence[Sequence[Callable]], *args):
-  """Idle ticks pass through; a busy one takes one `lax.switch` over
-  (stage, kind code) pairs."""
-  width = len(branches[0]) - 1
-  flat = [fn for row in branches for fn in row[1:]]
-  busy = lambda *a: jax.lax.switch(stage * width + code - 1, flat, *a)  # pylint: disable=unnecessary-lambda-assignment
-  return _unless_idle(code, branches, busy, *args)
+  """One `lax.switch` over (stage, kind code) pairs."""
+  width = len(branches[0])
+  flat = [fn for row in branches for fn in row]
+  return jax.lax.switch(stage * width + code, flat, *args)
 
 
 def cond_chain(stage, code, branches: Sequence[Sequence[Callable]], *args):
@@ -52,7 +38,8 @@ def cond_chain(stage, code, branches: Sequence[Sequence[Callable]], *args):
   A multi-way conditional copies every buffer a branch returns unchanged
   (the gradient accumulator, on every tick that does not add to it); a
   two-way conditional whose other branch passes its operands through does
-  not (measured on XLA:CPU, docs/executor.md).
+  not (measured on XLA:CPU, docs/executor.md). Slower than `nested_switch`
+  on busy schedules there, for the conditionals it adds.
   """
   result = branches[0][0](*args)
   for s, row in enumerate(branches):

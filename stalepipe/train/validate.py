@@ -30,6 +30,7 @@ from stalepipe import optim
 from stalepipe import schedules
 from stalepipe import sync as sync_lib
 from stalepipe.train import input_pipeline
+from stalepipe.pipeline import residuals as residuals_lib
 from stalepipe.train import optimizers
 
 # Ranges as (test, what is valid). A key absent here is checked for its
@@ -302,6 +303,13 @@ def _named_part(key: str, entry: Any, registry: dict[str, Callable],
                 dict(kwargs), ranges, filled)
 
 
+def _check_remat(config) -> None:
+  if "remat" in config:
+    _check_range("remat", config.remat,
+                 (lambda v: v in residuals_lib.REMATS,
+                  " or ".join(map(repr, residuals_lib.REMATS))))
+
+
 def _check_optimizer_parts(config) -> None:
   """Learning-rate schedule, weight decay, clipping and wrapper (issue 14's
   fields), when the config has them."""
@@ -328,3 +336,4 @@ def check(config) -> None:
   _check_model(config)
   _check_schedule_and_sync(config)
   _check_update_rule(config)
+  _check_remat(config)
