@@ -1,11 +1,12 @@
 r"""PipeMare: asynchronous 1F1B without weight stashing, rescheduled and corrected.
 
-No stash: forwards and backwards read their stage's latest weights. PipeMare
-(T1) scales each stage's step by its delay tau to the power -(1 - t/K) over
-the first K updates, and (T2) gives the backward the weights extrapolated
-back to its forward's, `w - (tau_fwd - tau_bkwd) delta`, delta an EMA of the
-applied updates (`stalepipe.optim.PipeMare`; docs/optim.md says which parts
-could be checked against the paper).
+No stash (as `configs/spectrain.py`): forwards and backwards read their
+stage's latest weights. PipeMare (T1) scales each stage's step by its delay
+tau to the power -(1 - t/K) over the first K updates, and (T2) gives the
+backward the weights extrapolated back to its forward's,
+`w - (tau_fwd - tau_bkwd) delta`, delta an EMA of the applied updates
+(`stalepipe.optim.PipeMare`; docs/optim.md says which parts could be checked
+against the paper).
 
 Run:
   python launch.py --config=configs/pipemare.py --workdir=runs/pipemare
@@ -18,15 +19,10 @@ References:
 
 import ml_collections
 
-from configs import default
+from configs import spectrain
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-  config = default.get_config(arg)
-  config.schedule = "pipedream"
-  config.schedule_kwargs = ml_collections.ConfigDict({"weight_stashing": False})
-  config.optimizer = "sgd"
-  config.optimizer_kwargs = ml_collections.ConfigDict(
-      {"learning_rate": 0.05, "momentum": 0.9})
+  config = spectrain.get_config(arg)
   config.optimizer_wrapper = ("PipeMare", {"warmup_steps": 100, "decay": 0.5})
   return config

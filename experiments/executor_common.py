@@ -7,6 +7,7 @@ MaxText-style baseline needs).
 """
 
 import os
+import time
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -55,6 +56,38 @@ def step_function(pipe, state, inputs, targets):
   step_fn = pipe.compile(state, inputs, targets)
   state, *args = pipe.arguments(state, inputs, targets)
   return step_fn, state, tuple(args)
+
+
+def baseline_run(staged, mesh, inputs_MxNx, targets_MxN):
+  """A callable running one step of the MaxText-style GPipe baseline."""
+  import baseline_gpipe  # pylint: disable=g-import-not-at-top,import-outside-toplevel
+  import optax  # pylint: disable=g-import-not-at-top,import-outside-toplevel
+  from stalepipe.models.losses import cross_entropy  # pylint: disable=g-import-not-at-top,import-outside-toplevel
+  base = baseline_gpipe.GPipeBaseline(baseline_gpipe.mlp_stage, cross_entropy,
+                                      optax.sgd(0.01), mesh)
+  state = list(base.init(staged.stage_params))
+  xs, ys = base.put_batch(inputs_MxNx, targets_MxN)
+
+  def run():
+    state[0], state[1], loss = base.step(*state, xs, ys)
+    jax.block_until_ready(loss)
+
+  return run
+
+
+def interleaved_samples(runs: dict, repeats: int) -> dict:
+  """Seconds of each run, interleaved (one repeat of every run, then the
+  next), after a warm-up of two calls each (compile and first touch)."""
+  for run in runs.values():
+    run()
+    run()
+  samples = {label: [] for label in runs}
+  for _ in range(repeats):
+    for label, run in runs.items():
+      start = time.perf_counter()
+      run()
+      samples[label].append(time.perf_counter() - start)
+  return samples
 
 
 def with_tables(args: tuple, tables) -> tuple:

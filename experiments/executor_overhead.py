@@ -34,7 +34,6 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-import baseline_gpipe
 from stalepipe.models.losses import cross_entropy
 from stalepipe.pipeline import executor
 
@@ -119,26 +118,9 @@ def main():
 
       runs[label] = run
 
-  base = baseline_gpipe.GPipeBaseline(baseline_gpipe.mlp_stage, cross_entropy,
-                                      optax.sgd(0.01), mesh)
-  base_state = list(base.init(staged.stage_params))
-  xs, ys = base.put_batch(x[0], y[0])
-
-  def run_baseline():
-    base_state[0], base_state[1], loss = base.step(*base_state, xs, ys)
-    jax.block_until_ready(loss)
-
-  runs["baseline GPipe (MaxText style)"] = run_baseline
-
-  for run in runs.values():  # warm-up: compile and first touch
-    run()
-    run()
-  samples = {label: [] for label in runs}
-  for _ in range(args.repeats):
-    for label, run in runs.items():
-      t = time.perf_counter()
-      run()
-      samples[label].append(time.perf_counter() - t)
+  runs["baseline GPipe (MaxText style)"] = common.baseline_run(
+      staged, mesh, x[0], y[0])
+  samples = common.interleaved_samples(runs, args.repeats)
   alone = alone_costs(staged, M, b, H, args.repeats)
   alone_sum = sum(M * (c["F"] + c["B"]) for c in alone)
   results = {"config": vars(args), "tasks": tasks, "alone": alone,

@@ -24,7 +24,6 @@ memory, as a ratio to 1f1b's (Qi et al. claim 1x for ZB-H1, 2x for ZB-H2).
 
 import argparse
 import json
-import time
 
 import executor_common as common  # pylint: disable=g-bad-import-order
 
@@ -32,7 +31,6 @@ import jax
 import numpy as np
 import optax
 
-import baseline_gpipe
 import stalepipe as sp
 from stalepipe.models.losses import cross_entropy
 from stalepipe.pipeline import dispatch
@@ -114,26 +112,9 @@ def main():
       runs[label], _, info[label] = build("zb-h1", "residuals", lowering,
                                           staged, mesh, x, y)
 
-  base = baseline_gpipe.GPipeBaseline(baseline_gpipe.mlp_stage, cross_entropy,
-                                      optax.sgd(0.01), mesh)
-  base_state = list(base.init(staged.stage_params))
-  xs, ys = base.put_batch(x[0], y[0])
-
-  def run_baseline():
-    base_state[0], base_state[1], loss = base.step(*base_state, xs, ys)
-    jax.block_until_ready(loss)
-
   baseline = "baseline GPipe (MaxText style)"
-  runs[baseline] = run_baseline
-  for run in runs.values():  # warm-up: compile and first touch
-    run()
-    run()
-  samples = {label: [] for label in runs}
-  for _ in range(args.repeats):
-    for label, run in runs.items():
-      t = time.perf_counter()
-      run()
-      samples[label].append(time.perf_counter() - t)
+  runs[baseline] = common.baseline_run(staged, mesh, x[0], y[0])
+  samples = common.interleaved_samples(runs, args.repeats)
   median = {k: float(np.median(v)) for k, v in samples.items()}
   per_minibatch = {k: v / (1 if k == baseline else B) for k, v in median.items()}
   results = {"config": vars(args), "median_s": median, "info": info,
