@@ -179,3 +179,25 @@ def test_residuals_are_refused_where_the_backward_reads_other_weights():
                       _make("gpipe", 3, 2, 2),
                       sp.optim.SpecTrain(optax.sgd(0.1)), mesh,
                       remat="residuals")
+
+
+@pytest.mark.parametrize("lowering", sorted(sp.pipeline.dispatch.LOWERINGS))
+def test_every_tick_lowering_equals_the_oracle(lowering):
+  """How a tick dispatches (`dispatch.py`) changes nothing computed."""
+  S, M = 2, 2
+  staged = sp.models.split(sp.models.mlp(8, 6, S - 1, 4, seed=11), S)
+  schedule = _make("zb-h1", S, M, 2)
+  mesh = jax.make_mesh((2, S), ("data", "stage"))
+  ex = executor.Pipeline(staged.stage_fns, classification_loss, schedule,
+                         optax.sgd(0.5), mesh, lowering=lowering,
+                         remat="residuals")
+  ref = reference.Pipeline(staged.stage_fns, classification_loss, schedule,
+                           optax.sgd(0.5), num_replicas=2)
+  es, rs = ex.init(staged.stage_params), ref.init(staged.stage_params)
+  for x, y in _windows(2, 2, M, 4, 8, 4):
+    es, _ = ex.step(es, x, y)
+    rs, _ = ref.step(rs, x, y)
+  _assert_trees_close(ex.params(es), ref.params(rs))
+  with pytest.raises(ValueError, match="lowering 'vmap' is invalid"):
+    executor.Pipeline(staged.stage_fns, classification_loss, schedule,
+                      optax.sgd(0.5), mesh, lowering="vmap")

@@ -1,5 +1,16 @@
-"""Pipeline executors: the sequential oracle and the shard_map executor."""
+"""Pipeline executors: the sequential oracle and the shard_map executor.
 
+`executor` (the `Pipeline`), `tick` (one tick as pure functions), `state`
+(the typed state), `dispatch` (how a tick picks each stage's task), `program`
+(instruction tables), `residuals` (`remat="residuals"`), `contract` (the
+update-rule contract), `packing`, and `reference` (the oracle).
+"""
+
+from stalepipe.pipeline import contract
+from stalepipe.pipeline import dispatch
 from stalepipe.pipeline import executor
 from stalepipe.pipeline import program
 from stalepipe.pipeline import reference
+from stalepipe.pipeline import residuals
+from stalepipe.pipeline import state
+from stalepipe.pipeline import tick

@@ -7,9 +7,8 @@ control flow. How that is lowered matters for speed: XLA:CPU runs a
 may sync with the host for each conditional in a loop (jax issues 5986 and
 2491). Each lowering here takes the same arguments, so the executor can swap
 one for another (`Pipeline(..., lowering=...)`) and benchmarks can compare
-them: `branches[stage][code]` are functions of `(carry, *rest)` returning
-`(carry, output)`, and code 0 is the same no-op on every stage (an idle
-tick, a tick without an update).
+them: `branches[stage][code]` all take the same arguments and return the
+same structure, and code 0 is the same on every stage (an idle tick).
 """
 
 from typing import Callable, Sequence

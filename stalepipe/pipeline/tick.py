@@ -11,7 +11,7 @@ In order, as `tick` runs them on every device (its stage of its replica):
 2. `keep_residuals`, `exchange`, `file_arrivals`: what the task keeps is
    written into its slot, the sends move one hop along 'stage'
    (`ppermute`) and the receiver files them in the slots its row names.
-4. `apply_update`: at the end of the tick in which a stage's last
+3. `apply_update`: at the end of the tick in which a stage's last
    weight-gradient task of a minibatch ends, the sync policy reduces the
    gradient, the optimizer steps, the policy acts on the new weights, and
    they are written into the ring as the next version.
