@@ -84,6 +84,14 @@ class Pipeline:
     self.num_replicas = num_replicas
     self.sync = sync
     self._stale_schedule = contract.schedule_is_stale(schedule)
+    # The policy's own functions, over the explicit replicas as one axis
+    # (jitted once: the minibatch and stage are traced, not baked in).
+    self._reduce_gradient = jax.jit(jax.vmap(
+        lambda g: sync.reduce_gradient(g, _AXIS), axis_name=_AXIS))
+    self._after_update = jax.jit(jax.vmap(
+        lambda x, y, state, r, event: sync.after_update(
+            x, y, state, event._replace(replica=r), _AXIS),
+        in_axes=(0, 0, 0, 0, None), axis_name=_AXIS))
 
   def init(self, stage_params: Sequence[Any]) -> ReferenceState:
     """Version 0 of every stage on every replica, and fresh optimizer states."""
@@ -205,8 +213,7 @@ class Pipeline:
     functions around it (under `jax.vmap` over the replicas)."""
     D, stream = self.num_replicas, w.stream
     own = [w.grads.pop((d, s, p)) for d in range(D)]
-    g = _unstack(jax.vmap(lambda g: self.sync.reduce_gradient(g, _AXIS),
-                          axis_name=_AXIS)(_stack(own)), D)
+    g = _unstack(self._reduce_gradient(_stack(own)), D)
     current = [w.versions[(d, s)][-1] for d in range(D)]
     new = []
     for d in range(D):
@@ -221,11 +228,9 @@ class Pipeline:
       new.append(optax.apply_updates(current[d], upd))
     plan = {k: jnp.asarray(v[0])
             for k, v in self.sync.plan(p, 1, len(self.stage_fns)).items()}
-    new, w.sync_states[s] = jax.vmap(
-        lambda x, y, state, r: self.sync.after_update(
-            x, y, state, sync_lib.UpdateEvent(p, s, r, plan), _AXIS),
-        axis_name=_AXIS)(_stack(new), _stack(current), w.sync_states[s],
-                         jnp.arange(D))
+    new, w.sync_states[s] = self._after_update(
+        _stack(new), _stack(current), w.sync_states[s], jnp.arange(D),
+        sync_lib.UpdateEvent(p, s, None, plan))
     seen = self._provenance(w, s, p)
     for d, x in enumerate(_unstack(new, D)):
       w.versions[(d, s)].append(x)
