@@ -24,6 +24,7 @@ import faulthandler
 import importlib.util
 import logging as py_logging
 import os
+import signal
 import sys
 import threading
 
@@ -357,7 +358,34 @@ def _quiet_native_logs(argv):
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 
+def _supervise(argv) -> None:
+  """A multi-host process runs its work in a child that it watches, so that
+  a lost coordinator ends it with one line (`stalepipe/train/supervise.py`);
+  returns in that child, or where the run is not multi-host."""
+  # By path: importing the package would import JAX into this parent too.
+  spec = importlib.util.spec_from_file_location(
+      "supervise", os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                "stalepipe", "train", "supervise.py"))
+  supervise = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(supervise)
+  named = {a.split("=", 1)[0]: a.split("=", 1)[-1] for a in argv}
+  multi = any(k in named for k in ("--coordinator_address", "--num_processes",
+                                   "--process_id"))
+  if supervise.is_worker() or not (multi or _cluster_environment()):
+    return
+  me = named.get("--process_id", os.environ.get(
+      "SLURM_PROCID", os.environ.get("OMPI_COMM_WORLD_RANK", "?")))
+  count = named.get("--num_processes", os.environ.get(
+      "SLURM_NTASKS", os.environ.get("OMPI_COMM_WORLD_SIZE", "?")))
+  code = supervise.run([sys.executable, *argv], f"process {me} of {count}")
+  if code < 0:  # end as the child ended: by its signal
+    signal.signal(-code, signal.SIG_DFL)
+    os.kill(os.getpid(), -code)
+  sys.exit(code)
+
+
 if __name__ == "__main__":
+  _supervise(sys.argv)
   _emulate_cpu_devices()  # before anything imports JAX
   _quiet_native_logs(sys.argv)
   _define_config_flag(sys.argv)

@@ -105,6 +105,47 @@ def test_a_peer_that_never_starts_is_named_in_one_line(tmp_path, present):
   assert not (tmp_path / "w").exists()
 
 
+def _alive(pid: int) -> bool:
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  with open(f"/proc/{pid}/stat") as f:  # a zombie is not running
+    return f.read().split(")")[-1].split()[0] != "Z"
+
+
+def _workers(parent: int) -> list[int]:
+  """The launcher's supervised child (`stalepipe/train/supervise.py`)."""
+  with open(f"/proc/{parent}/task/{parent}/children") as f:
+    return [int(p) for p in f.read().split()]
+
+
+@pytest.mark.slow
+def test_a_dead_coordinator_is_named_in_one_line(tmp_path):
+  """Process 0 (JAX's coordination service) killed mid-run: process 1's
+  client aborts in C++ at once; its launcher says so in one line."""
+  port, workdir = _free_port(), tmp_path / "w"
+  procs = [_process(workdir, port, i, "--config.num_steps=400000",
+                    "--config.log_every=1", "--config.checkpoint_every=0",
+                    "--distributed_heartbeat_timeout=10") for i in range(2)]
+  metrics = workdir / "metrics.jsonl"
+  while not (metrics.exists() and metrics.stat().st_size):
+    assert procs[1].poll() is None, procs[1].communicate()[1][-2000:]
+    time.sleep(0.1)
+  workers = _workers(procs[0].pid)
+  procs[0].kill()
+  procs[0].communicate()
+  start = time.time()
+  _, err = procs[1].communicate(timeout=120)
+  assert procs[1].returncode == 1 and time.time() - start < 30, err[-3000:]
+  assert re.fullmatch(
+      r"launch\.py: error: process 1 of 2: lost the coordinator, process 0, "
+      r"which stopped or crashed \(see its own output\): UNAVAILABLE: .*",
+      err.strip()), err[-3000:]
+  # The killed launcher's worker died with it: a dead process to its peers.
+  assert len(workers) == 1 and not _alive(workers[0])
+
+
 @pytest.mark.slow
 def test_a_peer_that_dies_is_named_in_one_line(tmp_path):
   port, workdir = _free_port(), tmp_path / "w"
