@@ -120,24 +120,32 @@ def _workers(parent: int) -> list[int]:
     return [int(p) for p in f.read().split()]
 
 
-@pytest.mark.slow
-def test_a_dead_coordinator_is_named_in_one_line(tmp_path):
-  """Process 0 (JAX's coordination service) killed mid-run: process 1's
-  client aborts in C++ at once; its launcher says so in one line."""
+def _kill_one_mid_run(tmp_path, victim: int):
+  """Two processes train; once metrics appear, the launcher of `victim` is
+  SIGKILLed. Returns its worker pids, and the survivor's exit code, seconds
+  to end after the kill, and stderr."""
   port, workdir = _free_port(), tmp_path / "w"
   procs = [_process(workdir, port, i, "--config.num_steps=400000",
                     "--config.log_every=1", "--config.checkpoint_every=0",
                     "--distributed_heartbeat_timeout=10") for i in range(2)]
-  metrics = workdir / "metrics.jsonl"
+  survivor, metrics = procs[1 - victim], workdir / "metrics.jsonl"
   while not (metrics.exists() and metrics.stat().st_size):
-    assert procs[1].poll() is None, procs[1].communicate()[1][-2000:]
+    assert survivor.poll() is None, survivor.communicate()[1][-2000:]
     time.sleep(0.1)
-  workers = _workers(procs[0].pid)
-  procs[0].kill()
-  procs[0].communicate()
+  workers = _workers(procs[victim].pid)
+  procs[victim].kill()
+  procs[victim].communicate()
   start = time.time()
-  _, err = procs[1].communicate(timeout=120)
-  assert procs[1].returncode == 1 and time.time() - start < 30, err[-3000:]
+  _, err = survivor.communicate(timeout=120)
+  return workers, survivor.returncode, time.time() - start, err
+
+
+@pytest.mark.slow
+def test_a_dead_coordinator_is_named_in_one_line(tmp_path):
+  """Process 0 (JAX's coordination service) killed mid-run: process 1's
+  client aborts in C++ at once; its launcher says so in one line."""
+  workers, code, seconds, err = _kill_one_mid_run(tmp_path, victim=0)
+  assert code == 1 and seconds < 30, err[-3000:]
   assert re.fullmatch(
       r"launch\.py: error: process 1 of 2: lost the coordinator, process 0, "
       r"which stopped or crashed \(see its own output\): UNAVAILABLE: .*",
@@ -148,19 +156,8 @@ def test_a_dead_coordinator_is_named_in_one_line(tmp_path):
 
 @pytest.mark.slow
 def test_a_peer_that_dies_is_named_in_one_line(tmp_path):
-  port, workdir = _free_port(), tmp_path / "w"
-  procs = [_process(workdir, port, i, "--config.num_steps=400000",
-                    "--config.log_every=1", "--config.checkpoint_every=0",
-                    "--distributed_heartbeat_timeout=10") for i in range(2)]
-  metrics = workdir / "metrics.jsonl"
-  while not (metrics.exists() and metrics.stat().st_size):
-    assert procs[0].poll() is None, procs[0].communicate()[1][-2000:]
-    time.sleep(0.1)
-  procs[1].kill()
-  procs[1].communicate()
-  start = time.time()
-  _, err = procs[0].communicate(timeout=120)
-  assert procs[0].returncode == 1 and time.time() - start < 30
+  _, code, seconds, err = _kill_one_mid_run(tmp_path, victim=1)
+  assert code == 1 and seconds < 30, err[-3000:]
   # Whichever notices first, the heartbeat watch or the failed collective,
   # the last line names the missing process.
   last = err.strip().splitlines()[-1]
