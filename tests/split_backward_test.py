@@ -1,6 +1,7 @@
 """The split backward (BI keeps op cotangents, BW only weight gradients)
 against plain `jax.vjp`, and what the compiled BW computes."""
 
+import functools
 import re
 
 import flax.linen as nn
@@ -86,7 +87,8 @@ def test_bi_and_bw_equal_jax_vjp(name):
       lambda p, x, t: split_lib.forward(split, p, x, t))(p, x, t)
   want, vjp = jax.vjp(lambda p, x: f(p, x, t), p, x)
   cotangent = _normal(10, jnp.shape(want)).astype(jnp.result_type(want))
-  g_x, op_cots = jax.jit(split_lib.input_gradient)(pullback, cotangent)
+  g_x, op_cots = jax.jit(functools.partial(split_lib.input_gradient, split))(
+      pullback, cotangent)
   g_p = jax.jit(lambda *a: split_lib.weight_gradient(split, *a))(
       p, x, t, kept, op_cots)
   want_p, want_x = vjp(cotangent)
@@ -108,6 +110,8 @@ def test_bw_keeps_only_what_it_reads():
   assert len(split.weight_ops) == 4
   assert [v.aval.shape for v in split.stored] == [(3, 6)]
   assert len(split.unread) == 2
+  # A bias add passes its cotangent to the matmul before it: kept once.
+  assert split.kept_index == (0, 0, 1, 1)
   f, p, x, t = _token_ids()
   split = split_lib.analyse(f, p, x, t)
   assert {v.aval.dtype for v in split.stored} >= {jnp.dtype(jnp.int32)}
@@ -133,7 +137,7 @@ def test_compiled_bw_runs_only_the_weight_gradient_matmuls():
   cotangent = jnp.ones((2, 8))
   split = split_lib.analyse(f, p, x, None)
   _, (pullback, kept) = split_lib.forward(split, p, x, None)
-  _, op_cots = split_lib.input_gradient(pullback, cotangent)
+  _, op_cots = split_lib.input_gradient(split, pullback, cotangent)
   bw = jax.jit(lambda *a: split_lib.weight_gradient(split, *a)).lower(
       p, x, None, kept, op_cots).compile()
   _, whole = jax.vjp(lambda p, x: f(p, x, None), p, x)

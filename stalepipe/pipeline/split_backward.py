@@ -38,7 +38,8 @@ forward. BI differentiates with respect to :math:`(x, \\epsilon)` only, so
 it holds no weight-gradient work; BW runs only the weight ops' pullbacks with
 respect to their weight-side inputs. The forward keeps only those
 :math:`a_e` BW reads (a bias add's input is not), and none that is the
-stage's input or target.
+stage's input or target; BI keeps each distinct :math:`\bar y_e` once (a
+bias add hands its cotangent to the matmul before it unchanged: one array).
 """
 
 import functools
@@ -64,6 +65,8 @@ class Split(NamedTuple):
   stored: tuple  # activation-side vars the forward keeps for BW (a_e)
   unread: tuple  # activation-side inputs of weight ops BW never reads
   cotangents: tuple  # ShapeDtypeStruct of each weight op's float output
+  kept: tuple  # which of those BI keeps: one of each set of identical ones
+  kept_index: tuple  # per weight op output, its cotangent's index in `kept`
 
 
 class Layout(NamedTuple):
@@ -174,10 +177,12 @@ def forward(split: Split, p, x, target):
   return out, (pullback, kept)
 
 
-def input_gradient(pullback: Callable, cotangent):
-  """BI: the input's cotangent and each weight op's output cotangent."""
+def input_gradient(split: Split, pullback: Callable, cotangent):
+  """BI: the input's cotangent and the weight ops' output cotangents (one of
+  each set of identical ones: a bias add passes its cotangent to the matmul
+  before it unchanged)."""
   g_x, op_cotangents = pullback(cotangent)
-  return g_x, op_cotangents
+  return g_x, [op_cotangents[i] for i in split.kept]
 
 
 def weight_gradient(split: Split, p, x, target, kept: Sequence,
@@ -188,7 +193,7 @@ def weight_gradient(split: Split, p, x, target, kept: Sequence,
     return _evaluate(split, jax.tree.leaves((p, x, target)), kept=list(kept))
 
   _, pullback = jax.vjp(op_outputs, p)
-  return pullback(list(op_cotangents))[0]
+  return pullback([op_cotangents[i] for i in split.kept_index])[0]
 
 
 def _read_inputs(jaxpr: jcore.Jaxpr) -> list[bool]:
@@ -199,6 +204,22 @@ def _read_inputs(jaxpr: jcore.Jaxpr) -> list[bool]:
     if eqn.effects or any(v in live for v in eqn.outvars):
       live.update(v for v in eqn.invars if _is_var(v))
   return [v in live for v in jaxpr.invars]
+
+
+def _identical_cotangents(split: Split, p, x, target) -> Split:
+  """Which op cotangents BI's pullback returns as one array (traced
+  abstractly): BI keeps each once."""
+  found = {}
+
+  def trace(p, x, t):
+    out, (pullback, _) = forward(split, p, x, t)
+    _, cots = pullback(jax.tree.map(jnp.ones_like, out))
+    firsts = [next(j for j, c in enumerate(cots) if c is cot) for cot in cots]
+    found["kept"] = tuple(dict.fromkeys(firsts))
+    found["index"] = tuple(found["kept"].index(j) for j in firsts)
+
+  jax.eval_shape(trace, p, x, target)
+  return split._replace(kept=found["kept"], kept_index=found["index"])
 
 
 def analyse(objective: Callable, p, x, target) -> Split:
@@ -229,14 +250,15 @@ def analyse(objective: Callable, p, x, target) -> Split:
   draft = Split(
       jaxpr=closed, out_tree=jax.tree.structure(shape),
       sides=sides,
-      weight_ops=ops, stored=acts, unread=(),
+      weight_ops=ops, stored=acts, unread=(), kept=(), kept_index=(),
       cotangents=tuple(jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype)
                        for i in sorted(ops) for v in jaxpr.eqns[i].outvars
                        if _perturbed(v)))
+  draft = _identical_cotangents(draft, p, x, target)
   avals = lambda vs: [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype)  # pylint: disable=unnecessary-lambda-assignment
                       for v in vs]
   bw = jax.make_jaxpr(functools.partial(weight_gradient, draft))(
-      p, x, target, avals(acts), list(draft.cotangents))
+      p, x, target, avals(acts), [draft.cotangents[i] for i in draft.kept])
   start = len(jax.tree.leaves((p, x, target)))
   read = _read_inputs(bw.jaxpr)[start:start + len(acts)]
   return draft._replace(
@@ -250,4 +272,5 @@ def analyse_all(objectives: Sequence[Callable], params: Sequence[Any],
   stages = tuple(
       analyse(f, p, x, target if s == len(objectives) - 1 else None)
       for s, (f, p, x) in enumerate(zip(objectives, params, inputs)))
-  return Layout(stages, packing.Packing([list(s.cotangents) for s in stages]))
+  return Layout(stages, packing.Packing(
+      [[s.cotangents[i] for i in s.kept] for s in stages]))

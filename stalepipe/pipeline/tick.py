@@ -207,7 +207,8 @@ def split_gradients(ctx: Stages, s: int, kind: kinds_lib.TaskKind,
   pullback, activations = kept
   g_w = g_x = None
   if kinds_lib.INPUT_COTANGENT in kind.produces:
-    g_x, op_cots = split_lib.input_gradient(pullback, cotangent)
+    g_x, op_cots = split_lib.input_gradient(ctx.split.stages[s], pullback,
+                                            cotangent)
   else:
     op_cots = ctx.split.packing.unpack(
         s, {k: v[slot] for k, v in carry.buffers.op_cotangents.items()})
