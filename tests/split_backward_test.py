@@ -13,6 +13,7 @@ import pytest
 
 import stalepipe as sp
 from stalepipe.models.losses import cross_entropy
+from stalepipe.models.losses import lm_cross_entropy
 from stalepipe.pipeline import executor
 from stalepipe.pipeline import split_backward as split_lib
 
@@ -73,9 +74,25 @@ def _token_ids():
   return f, params, jnp.array([[1, 2, 9], [0, 4, 4]], jnp.int32), None
 
 
+def _transformer(stage):
+  """`sp.models.transformer` in two stages: token ids, embedding, a decoder
+  block (attention, LayerNorm, GELU); then a block and the LM loss."""
+  staged = sp.models.split(sp.models.transformer(
+      50, d_model=16, num_heads=2, num_layers=2, max_len=6), 2)
+  ids = jax.random.randint(jax.random.fold_in(_KEY, 12), (2, 6), 0, 50)
+  if stage == 0:
+    return (lambda p, x, t: staged.stage_fns[0](p, x), staged.stage_params[0],
+            ids, None)
+  h = _normal(13, (2, 6, 16))
+  return (lambda p, x, t: lm_cross_entropy(staged.stage_fns[1](p, x), t),
+          staged.stage_params[1], h, ids)
+
+
 _CASES = {"mlp": _mlp_stage, "flax": _flax_stage, "last_stage": _last_stage,
           "shared_weight": _shared_weight, "cast_weight": _cast_weight,
-          "token_ids": _token_ids}
+          "token_ids": _token_ids,
+          "transformer_first": functools.partial(_transformer, 0),
+          "transformer_last": functools.partial(_transformer, 1)}
 
 
 @pytest.mark.parametrize("name", sorted(_CASES))
