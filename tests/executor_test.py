@@ -165,6 +165,12 @@ def test_residuals_equal_recompute_and_the_oracle(name):
   split = any(sp.schedules.kinds.kind(t.kind).splits_backward
               for t in schedule.tasks)
   assert bool(es.buffers.op_cotangents) == split == name.startswith("zb")
+  ctx = ex._stages(*[ex.place(a) for a in (x, y)])  # pylint: disable=protected-access
+  for layout, kept in ((ctx.residuals, es.buffers.residuals),
+                       (ctx.split, es.buffers.op_cotangents)):
+    rows = 2 * S * (ex.program.num_slots + 1)  # replicas, stages, slots
+    assert (layout.bytes_per_slot * rows if layout else 0) == sum(
+        v.nbytes for v in kept.values())
 
 
 @pytest.mark.parametrize("name", ["zb-h1", "zb-async"])

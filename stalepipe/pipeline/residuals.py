@@ -32,7 +32,6 @@ prediction between them; `check` refuses the rest.
 from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
-import numpy as np
 
 from stalepipe.pipeline import packing
 
@@ -50,8 +49,7 @@ class Layout(NamedTuple):
   @property
   def bytes_per_slot(self) -> int:
     """Bytes one micro-batch's stored residuals take in a buffer slot."""
-    return sum(n * np.dtype(k).itemsize
-               for k, n in self.packing.lengths.items())
+    return self.packing.row_bytes
 
 
 def objective(fn: Callable, loss_fn: Callable, last: bool, target) -> Callable:

@@ -48,7 +48,6 @@ from typing import Any, Callable, NamedTuple, Sequence
 import jax
 from jax.extend import core as jcore
 import jax.numpy as jnp
-import numpy as np
 
 from stalepipe.pipeline import packing
 
@@ -78,8 +77,7 @@ class Layout(NamedTuple):
   @property
   def bytes_per_slot(self) -> int:
     """Bytes one micro-batch's kept op cotangents take in a buffer slot."""
-    return sum(n * np.dtype(k).itemsize
-               for k, n in self.packing.lengths.items())
+    return self.packing.row_bytes
 
 
 def _is_var(v) -> bool:
