@@ -23,5 +23,5 @@ from configs import default
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config = default.get_config(arg)
   config.schedule = "zb-h1"
-  config.remat = "residuals"  # split backward tasks reuse the forward's pullback
+  config.remat = "residuals"  # BI keeps op cotangents, BW only weight grads
   return config

@@ -15,8 +15,9 @@ On 8 emulated CPU devices (2 data x 4 stages), the executor benchmarks' MLP
 
 Also, without timing: each schedule's measured bubble against its closed
 form (`stalepipe.theory`), and its activation buffers (per device: inputs,
-cotangents and kept residuals, from the arrays) with the compiled temp
-memory, as a ratio to 1f1b's (Qi et al. claim 1x for ZB-H1, 2x for ZB-H2).
+cotangents, kept residuals and a split backward's op cotangents, from the
+arrays) with the compiled temp memory, as a ratio to 1f1b's (Qi et al. claim
+1x for ZB-H1, 2x for ZB-H2).
 
   .venv/bin/python experiments/zero_bubble.py [--repeats 15] \
       [--json docs/figures/zero_bubble.json]
@@ -80,6 +81,7 @@ def build(name, remat, lowering, staged, mesh, x, y):
           "buffer_slots": pipe.program.num_slots,
           "activation_bytes": shard_bytes(state.buffers),
           "residual_bytes": shard_bytes(state.buffers.residuals),
+          "op_cotangent_bytes": shard_bytes(state.buffers.op_cotangents),
           "temp_bytes": int(memory.temp_size_in_bytes)}
   return (lambda: run(args)), (lambda: run(idle_args)), info
 

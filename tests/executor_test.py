@@ -161,6 +161,51 @@ def test_residuals_equal_recompute_and_the_oracle(name):
       np.testing.assert_allclose(em["loss"], rm["loss"], rtol=RTOL)
   _assert_trees_close(ex.params(es), ref.params(rs))
   assert es.buffers.residuals  # something was kept
+  # Split backwards (BI, BW) keep the weight ops' output cotangents for BW.
+  split = any(sp.schedules.kinds.kind(t.kind).splits_backward
+              for t in schedule.tasks)
+  assert bool(es.buffers.op_cotangents) == split == name.startswith("zb")
+  ctx = ex._stages(*[ex.place(a) for a in (x, y)])  # pylint: disable=protected-access
+  for layout, kept in ((ctx.residuals, es.buffers.residuals),
+                       (ctx.split, es.buffers.op_cotangents)):
+    rows = 2 * S * (ex.program.num_slots + 1)  # replicas, stages, slots
+    assert (layout.bytes_per_slot * rows if layout else 0) == sum(
+        v.nbytes for v in kept.values())
+
+
+@pytest.mark.parametrize("name", ["zb-h1", "zb-async"])
+def test_split_backward_with_token_ids_equals_the_oracle(name):
+  """Stage 0 takes integer token ids (an embedding lookup: no input
+  cotangent) and casts its weight; the split backward matches the oracle."""
+  S, M, vocab, T = 2, 2, 11, 3
+
+  def embed(p, ids):
+    h = p["embed"][ids].reshape(ids.shape[0], -1)
+    return jnp.tanh(h @ p["w"].astype(jnp.bfloat16).astype(jnp.float32))
+
+  def head(p, h):
+    return h @ p["w"] + p["b"]
+
+  rng = np.random.default_rng(4)
+  params = [{"embed": rng.normal(size=(vocab, 4)).astype(np.float32),
+             "w": rng.normal(size=(4 * T, 6)).astype(np.float32) / 4},
+            {"w": rng.normal(size=(6, 4)).astype(np.float32),
+             "b": np.zeros(4, np.float32)}]
+  schedule = _make(name, S, M if name == "zb-h1" else S, 2)
+  mesh = jax.make_mesh((2, S), ("data", "stage"))
+  ex = executor.Pipeline([embed, head], classification_loss, schedule,
+                         optax.sgd(0.5), mesh, remat="residuals")
+  ref = reference.Pipeline([embed, head], classification_loss, schedule,
+                           optax.sgd(0.5), num_replicas=2)
+  es, rs = ex.init(params), ref.init(params)
+  M = schedule.num_microbatches
+  for _ in range(2):
+    x = rng.integers(0, vocab, size=(2, M, 4, T)).astype(np.int32)
+    y = rng.integers(0, 4, size=(2, M, 4)).astype(np.int32)
+    es, _ = ex.step(es, x, y)
+    rs, _ = ref.step(rs, x, y)
+  _assert_trees_close(ex.params(es), ref.params(rs))
+  assert es.buffers.op_cotangents
 
 
 def test_residuals_are_refused_where_the_backward_reads_other_weights():

@@ -2,7 +2,8 @@
 
 `executor` (the `Pipeline`), `tick` (one tick as pure functions), `state`
 (the typed state), `dispatch` (how a tick picks each stage's task), `program`
-(instruction tables), `residuals` (`remat="residuals"`), `contract` (the
+(instruction tables), `residuals` (`remat="residuals"`), `split_backward`
+(zero-bubble's input- and weight-gradient tasks), `contract` (the
 update-rule contract), `packing`, and `reference` (the oracle).
 """
 
@@ -12,5 +13,6 @@ from stalepipe.pipeline import executor
 from stalepipe.pipeline import program
 from stalepipe.pipeline import reference
 from stalepipe.pipeline import residuals
+from stalepipe.pipeline import split_backward
 from stalepipe.pipeline import state
 from stalepipe.pipeline import tick

@@ -46,10 +46,12 @@ from stalepipe.pipeline import dispatch
 from stalepipe.pipeline import packing
 from stalepipe.pipeline import program as program_lib
 from stalepipe.pipeline import residuals as residuals_lib
+from stalepipe.pipeline import split_backward as split_lib
 from stalepipe.pipeline import tick as tick_lib
 from stalepipe.pipeline.state import (Buffers, InputHistory, PipelineState,
                                       TickCarry, WeightRing, local, unlocal)
 from stalepipe.schedules import Schedule
+from stalepipe.schedules import kinds as kinds_lib
 
 DATA, STAGE = tick_lib.DATA, tick_lib.STAGE
 _PER_DEVICE, _WINDOW = P(DATA, STAGE), P(None, None, DATA)
@@ -125,7 +127,9 @@ class Pipeline:
     lowering: how a tick dispatches each stage's task (`dispatch.LOWERINGS`).
     remat: "recompute" (a backward task recomputes the forward from the kept
       input) or "residuals" (the forward keeps `jax.vjp`'s residuals for the
-      backward tasks; `residuals.py`).
+      backward tasks; `residuals.py`; where the schedule has input- and
+      weight-gradient tasks, BI keeps each weight op's output cotangent and
+      BW computes only the weight gradient: `split_backward.py`).
 
   Examples:
     >>> import jax, optax, stalepipe as sp
@@ -331,12 +335,12 @@ class Pipeline:
     width = max([int(np.prod(s.shape[1:])) for s in boundary] + [1])
     dtype = (jnp.result_type(*[s.dtype for s in boundary]) if boundary
              else jnp.float32)
+    target = jax.ShapeDtypeStruct((b,) + targets.shape[3:], targets.dtype)
+    split, forwards = self._forwards(stage_inputs, target)
     layout = None
     if self.remat == "residuals":
-      target = jax.ShapeDtypeStruct((b,) + targets.shape[3:], targets.dtype)
-      layout = residuals_lib.analyse(self.stage_fns, self.loss_fn,
-                                     self._param_packing.trees, stage_inputs,
-                                     target)
+      layout = residuals_lib.analyse(forwards, self._param_packing.trees,
+                                     stage_inputs, target)
     return tick_lib.Stages(
         fns=self.stage_fns, loss_fn=self.loss_fn, params=self._param_packing,
         opt=self._opt_packing, optimizer=self.optimizer, sync=self.sync,
@@ -344,8 +348,26 @@ class Pipeline:
         buffer_shape=(b, width), buffer_dtype=dtype,
         num_microbatches=self.schedule.num_microbatches,
         window_minibatches=self.schedule.num_minibatches,
-        lowering=self.lowering, residuals=layout,
-        stale_schedule=self._stale_schedule)
+        lowering=self.lowering, residuals=layout, forwards=forwards,
+        split=split, stale_schedule=self._stale_schedule)
+
+  def _forwards(self, stage_inputs, target) -> tuple:
+    """The split backward's layout (None unless remat="residuals" on a
+    schedule with input- and weight-gradient tasks) and what each stage's
+    forward runs under remat="residuals" (`residuals.analyse`)."""
+    last = len(self.stage_fns) - 1
+    vjps = tuple(residuals_lib.vjp(fn, self.loss_fn, s == last)
+                 for s, fn in enumerate(self.stage_fns))
+    if self.remat != "residuals" or not any(
+        kinds_lib.kind(k).splits_backward for k in self.program.kinds):
+      return None, vjps
+    objectives = [lambda p, x, t, s=s: residuals_lib.objective(
+        self.stage_fns[s], self.loss_fn, s == last, t)(p, x)
+                  for s in range(len(self.stage_fns))]
+    split = split_lib.analyse_all(objectives, self._param_packing.trees,
+                                  stage_inputs, target)
+    return split, tuple(functools.partial(split_lib.forward, stage)
+                        for stage in split.stages)
 
   def _allocate(self, state, inputs, targets) -> PipelineState:
     """Zero activation buffers and input history, on first use."""
@@ -353,14 +375,15 @@ class Pipeline:
     D, S, C = self.num_replicas, len(self.stage_fns), self.program.num_slots
     zeros = lambda shape, dtype: self._put(  # pylint: disable=unnecessary-lambda-assignment
         np.zeros((D, S, C + 1) + shape, dtype), _PER_DEVICE)  # + scratch
-    kept = {} if ctx.residuals is None else {
-        k: zeros((n,), k) for k, n in ctx.residuals.packing.lengths.items()}
+    kept = lambda layout: {} if layout is None else {  # pylint: disable=unnecessary-lambda-assignment
+        k: zeros((n,), k) for k, n in layout.packing.lengths.items()}
     H, B = self.program.history, self.schedule.num_minibatches
     past = lambda x: None if H == 0 else self._put(  # pylint: disable=unnecessary-lambda-assignment
         np.zeros((H * B,) + x.shape[1:], x.dtype), _WINDOW)
     return state._replace(
         buffers=Buffers(zeros(ctx.buffer_shape, ctx.buffer_dtype),
-                        zeros(ctx.buffer_shape, ctx.buffer_dtype), kept),
+                        zeros(ctx.buffer_shape, ctx.buffer_dtype),
+                        kept(ctx.residuals), kept(ctx.split)),
         history=InputHistory(past(inputs), past(targets)))
 
   def _build_step(self, inputs, targets) -> Callable:

@@ -50,6 +50,11 @@ class Packing:
   def num_stages(self) -> int:
     return len(self.trees)
 
+  @property
+  def row_bytes(self) -> int:
+    """Bytes of one stage's packed row, all dtypes."""
+    return sum(n * np.dtype(k).itemsize for k, n in self.lengths.items())
+
   def pack(self, stage: int, tree: Any) -> Flat:
     """Stage `stage`'s pytree as zero-padded flat vectors (traceable)."""
     parts = {k: [] for k in self.lengths}

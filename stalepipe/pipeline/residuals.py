@@ -17,6 +17,13 @@ like the weights (`packing.Packing`), in `Buffers.residuals`, `[C, L_res]`
 per stage. Which leaf is which is found once, when the program is built, by
 tracing each stage's `jax.vjp` abstractly.
 
+Where a schedule splits the backward into input- and weight-gradient tasks
+(zero-bubble's BI and BW), the forward runs `split_backward.forward`
+instead: what it keeps is BI's pullback (with respect to the input and the
+weight ops' outputs only) and the weight ops' inputs BW reads, sorted and
+stored the same way; BI keeps the weight ops' output cotangents in
+`Buffers.op_cotangents` for BW (`split_backward.py`).
+
 The backward then differentiates at the forward's weights, so this needs
 every backward task to read the version its forward read, and no weight
 prediction between them; `check` refuses the rest.
@@ -25,7 +32,6 @@ prediction between them; `check` refuses the rest.
 from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
-import numpy as np
 
 from stalepipe.pipeline import packing
 
@@ -43,8 +49,7 @@ class Layout(NamedTuple):
   @property
   def bytes_per_slot(self) -> int:
     """Bytes one micro-batch's stored residuals take in a buffer slot."""
-    return sum(n * np.dtype(k).itemsize
-               for k, n in self.packing.lengths.items())
+    return self.packing.row_bytes
 
 
 def objective(fn: Callable, loss_fn: Callable, last: bool, target) -> Callable:
@@ -55,26 +60,31 @@ def objective(fn: Callable, loss_fn: Callable, last: bool, target) -> Callable:
   return lambda p, x: loss_fn(fn(p, x), target)
 
 
-def analyse(fns: Sequence[Callable], loss_fn: Callable, params: Sequence[Any],
+def vjp(fn: Callable, loss_fn: Callable, last: bool) -> Callable:
+  """The forward as `jax.vjp` runs it: `(p, x, target) -> (value,
+  pullback)`, the pullback being what the backward tasks keep."""
+  return lambda p, x, t: jax.vjp(objective(fn, loss_fn, last, t), p, x)
+
+
+def analyse(forwards: Sequence[Callable], params: Sequence[Any],
             inputs: Sequence[jax.ShapeDtypeStruct],
             target: jax.ShapeDtypeStruct) -> Layout:
-  """Traces each stage's `jax.vjp` abstractly and sorts its residuals.
+  """Traces each stage's forward abstractly and sorts what it keeps.
 
   Args:
-    fns: the S stage functions.
-    loss_fn: the loss.
+    forwards: per stage, `(p, x, target) -> (value, kept)`: `vjp`, or
+      `split_backward.forward` (the kept pytree's leaves are sorted).
     params: the S stages' weight pytrees (shapes matter).
     inputs: the S stages' inputs, one micro-batch each.
     target: one micro-batch's target.
   """
   treedefs, sources, stored = [], [], []
-  for s, (fn, p, x) in enumerate(zip(fns, params, inputs)):
+  for forward, p, x in zip(forwards, params, inputs):
     found = {}
 
-    def trace(p, x, t, s=s, fn=fn, found=found):
-      last = s == len(fns) - 1
-      _, pullback = jax.vjp(objective(fn, loss_fn, last, t), p, x)
-      leaves, found["treedef"] = jax.tree.flatten(pullback)
+    def trace(p, x, t, forward=forward, found=found):
+      _, kept = forward(p, x, t)
+      leaves, found["treedef"] = jax.tree.flatten(kept)
       known = ([(WEIGHT, j, w) for j, w in enumerate(jax.tree.leaves(p))]
                + [(INPUT, 0, x), (TARGET, 0, t)])
       found["sources"], found["stored"] = [], []
@@ -92,18 +102,18 @@ def analyse(fns: Sequence[Callable], loss_fn: Callable, params: Sequence[Any],
   return Layout(tuple(treedefs), tuple(sources), packing.Packing(stored))
 
 
-def keep(layout: Layout, s: int, pullback) -> packing.Flat:
-  """The stored leaves of stage s's pullback, packed into one slot's row."""
-  leaves = jax.tree.leaves(pullback)
+def keep(layout: Layout, s: int, kept) -> packing.Flat:
+  """The stored leaves of what stage s's forward keeps, packed into one
+  slot's row."""
+  leaves = jax.tree.leaves(kept)
   return layout.packing.pack(s, [leaf for leaf, (kind, _) in
                                  zip(leaves, layout.sources[s])
                                  if kind == STORED])
 
 
-def pullback(layout: Layout, s: int, row: packing.Flat, weights, x,
-             target) -> Callable:
-  """Stage s's pullback, rebuilt from a slot's row and what is kept
-  elsewhere (the weights, the input, the target)."""
+def restore(layout: Layout, s: int, row: packing.Flat, weights, x, target):
+  """What stage s's forward kept (its pullback), rebuilt from a slot's row
+  and what is kept elsewhere (the weights, the input, the target)."""
   stored = layout.packing.unpack(s, row)
   known = {WEIGHT: jax.tree.leaves(weights), INPUT: [x], TARGET: [target],
            STORED: stored}
@@ -123,6 +133,12 @@ def check(remat: str, schedule, optimizer) -> None:
                      "weights, but the optimizer predicts the weights each "
                      "task reads; valid: remat='recompute'")
   stream = schedule.with_minibatches(4 * schedule.num_minibatches)
+  if stream.backward_covers_minibatch and any(
+      stream.kind(t).splits_backward for t in stream.tasks):
+    raise ValueError(
+        f"remat='residuals' splits one micro-batch's backward, but schedule "
+        f"{schedule.name!r} splits backwards over a whole minibatch; valid: "
+        "remat='recompute'")
   for t in stream.tasks:
     if stream.kind(t).runs_backward and stream.since_forward(t):
       raise ValueError(

@@ -29,6 +29,9 @@ class Buffers(NamedTuple):
   cots: jax.Array  # [D, S, C+1, b, A]: its output cotangents, until used
   residuals: packing.Flat  # dtype -> [D, S, C+1, L_res]: the forward's
   #   residuals (`residuals.py`); empty with remat="recompute"
+  op_cotangents: packing.Flat  # dtype -> [D, S, C+1, L_cot]: each weight
+  #   op's output cotangent, from BI for BW (`split_backward.py`); empty
+  #   unless the backward is split
 
 
 class InputHistory(NamedTuple):

@@ -8,8 +8,9 @@ In order, as `tick` runs them on every device (its stage of its replica):
    micro-batch's input (`stage_input`), and runs what the task's kind
    declares (`stalepipe.schedules.kinds`): the forward, the backward, or
    both; it returns what it sends on and what it keeps (`TaskOutput`).
-2. `keep_residuals`, `exchange`, `file_arrivals`: what the task keeps is
-   written into its slot, the sends move one hop along 'stage'
+2. `keep_residuals`, `exchange`, `file_arrivals`: what the task keeps (F:
+   its residuals; a split backward's BI: the weight ops' output cotangents)
+   is written into its slot, the sends move one hop along 'stage'
    (`ppermute`) and the receiver files them in the slots its row names.
 3. `apply_update`: at the end of the tick in which a stage's last
    weight-gradient task of a minibatch ends, the sync policy reduces the
@@ -33,6 +34,7 @@ from stalepipe.pipeline import contract
 from stalepipe.pipeline import packing
 from stalepipe.pipeline import program as program_lib
 from stalepipe.pipeline import residuals as residuals_lib
+from stalepipe.pipeline import split_backward as split_lib
 from stalepipe.pipeline.state import TickCarry, WeightRing
 from stalepipe.schedules import kinds as kinds_lib
 
@@ -56,6 +58,10 @@ class Stages(NamedTuple):
   window_minibatches: int  # B
   lowering: Callable  # `dispatch.LOWERINGS` entry
   residuals: residuals_lib.Layout | None  # remat="residuals"; None: recompute
+  forwards: tuple[Callable, ...]  # per stage, (p, x, target) -> (value,
+  #   kept): what F runs with remat="residuals" (`residuals.analyse`)
+  split: split_lib.Layout | None  # BI keeps op cotangents for BW; None: the
+  #   backward tasks call the whole pullback
   stale_schedule: bool  # `contract.schedule_is_stale`: pass stale_params
 
   @property
@@ -93,6 +99,8 @@ class TaskOutput(NamedTuple):
   backward: jax.Array  # [W, b, A]: input cotangents, to stage s-1
   kept: packing.Flat  # dtype -> [L_res]: the forward's residuals (remat)
   kept_slot: jax.Array  # int32 []: their slot; C (scratch) when none
+  op_cotangents: packing.Flat  # dtype -> [L_cot]: BI's, for BW (split)
+  op_cotangents_slot: jax.Array  # int32 []: their slot; C when none
 
 
 def ring_slot(versions: jax.Array, version) -> jax.Array:
@@ -142,12 +150,13 @@ def stage_input(ctx: Stages, s: int, carry: TickCarry, instr, window: Window,
 
 def no_output(ctx: Stages) -> TaskOutput:
   width = ctx.program.backward_width
-  lengths = {} if ctx.residuals is None else ctx.residuals.packing.lengths
+  zeros = lambda layout: {} if layout is None else {  # pylint: disable=unnecessary-lambda-assignment
+      k: jnp.zeros((n,), k) for k, n in layout.packing.lengths.items()}
+  scratch = jnp.asarray(ctx.program.num_slots, jnp.int32)
   return TaskOutput(
       jnp.zeros(ctx.buffer_shape, ctx.buffer_dtype),
       jnp.zeros((width,) + ctx.buffer_shape, ctx.buffer_dtype),
-      {k: jnp.zeros((n,), k) for k, n in lengths.items()},
-      jnp.asarray(ctx.program.num_slots, jnp.int32))
+      zeros(ctx.residuals), scratch, zeros(ctx.split), scratch)
 
 
 def add_losses(carry: TickCarry, total, count) -> TickCarry:
@@ -167,7 +176,8 @@ def slot_of(ctx: Stages, instr, window: Window, offset: int = 0):
 
 def forward(ctx: Stages, s: int, carry: TickCarry, instr, window: Window):
   """F: the stage function; the output goes on, or the loss is taken. With
-  remat="residuals" it runs `jax.vjp` and keeps the pullback's residuals."""
+  remat="residuals" it runs `jax.vjp` and keeps the pullback's residuals
+  (split backward: BI's pullback and the weight ops' inputs BW reads)."""
   last = s == ctx.num_stages - 1
   weights, x = (task_weights(ctx, s, carry, instr),
                 stage_input(ctx, s, carry, instr, window))
@@ -177,61 +187,88 @@ def forward(ctx: Stages, s: int, carry: TickCarry, instr, window: Window):
     y = ctx.fns[s](weights, x)
     out = ctx.loss_fn(y, target) if last else y
   else:
-    out, pullback = jax.vjp(
-        residuals_lib.objective(ctx.fns[s], ctx.loss_fn, last, target),
-        weights, x)
+    out, kept = ctx.forwards[s](weights, x, target)
     output = output._replace(
-        kept=residuals_lib.keep(ctx.residuals, s, pullback),
+        kept=residuals_lib.keep(ctx.residuals, s, kept),
         kept_slot=slot_of(ctx, instr, window))
   if not last:
     return carry, output._replace(forward=to_buffer(ctx, out))
   return add_losses(carry, out, 1), output
 
 
+def split_gradients(ctx: Stages, s: int, kind: kinds_lib.TaskKind,
+                    carry: TickCarry, weights, kept, slot, x, target,
+                    cotangent):
+  """A split backward (`split_backward.py`): BI calls the kept pullback for
+  the input cotangent and the weight ops' output cotangents; BW computes the
+  weight gradient from those (kept by BI) and the activations F kept; B runs
+  both. Returns (weight gradient, input cotangent, op cotangents), None
+  where the kind does not produce it."""
+  pullback, activations = kept
+  g_w = g_x = None
+  if kinds_lib.INPUT_COTANGENT in kind.produces:
+    g_x, op_cots = split_lib.input_gradient(ctx.split.stages[s], pullback,
+                                            cotangent)
+  else:
+    op_cots = ctx.split.packing.unpack(
+        s, {k: v[slot] for k, v in carry.buffers.op_cotangents.items()})
+  if kinds_lib.WEIGHT_GRADIENT in kind.produces:
+    g_w = split_lib.weight_gradient(ctx.split.stages[s], weights, x, target,
+                                    activations, op_cots)
+  return g_w, g_x, op_cots
+
+
 def gradients(ctx: Stages, s: int, kind: kinds_lib.TaskKind, carry: TickCarry,
               instr, window: Window, weights, offset: int):
-  """One micro-batch's (weight gradient, input cotangent, loss) on stage s.
+  """One micro-batch's (weight gradient, input cotangent, loss, op
+  cotangents) on stage s.
 
   Recomputes the forward from the kept input, or (remat="residuals", a task
-  that does not run the forward) calls the pullback the forward kept. The
-  output's cotangent comes from the next stage, or on the last stage from
-  the loss, divided by M as the minibatch's mean.
+  that does not run the forward) calls what the forward kept: the pullback,
+  or with a split backward (`split_gradients`) BI's pullback and BW's
+  activations. The output's cotangent comes from the next stage, or on the
+  last stage from the loss, divided by M as the minibatch's mean. The op
+  cotangents are None unless the backward is split.
   """
   last, M = s == ctx.num_stages - 1, ctx.num_microbatches
   x = stage_input(ctx, s, carry, instr, window, offset)
   slot = slot_of(ctx, instr, window, offset)
   target = (window.targets[instr.minibatch, instr.microbatch + offset]
             if last else None)
+  loss = jnp.zeros((), jnp.float32)
   if ctx.residuals is not None and not kind.runs_forward:
     row = {k: v[slot] for k, v in carry.buffers.residuals.items()}
-    pullback = residuals_lib.pullback(ctx.residuals, s, row, weights, x, target)
-    loss = jnp.zeros((), jnp.float32)
-  elif last:
-    loss, pullback = jax.vjp(
-        residuals_lib.objective(ctx.fns[s], ctx.loss_fn, True, target),
-        weights, x)
+    kept = residuals_lib.restore(ctx.residuals, s, row, weights, x, target)
   else:
-    loss, (_, pullback) = jnp.zeros((), jnp.float32), jax.vjp(ctx.fns[s],
-                                                             weights, x)
-  if last:
-    return (*pullback(jnp.asarray(1.0 / M, jnp.result_type(loss))), loss)
-  cotangent = from_buffer(ctx, s + 1, carry.buffers.cots[slot])
-  return (*pullback(cotangent), loss)
+    value, kept = residuals_lib.vjp(ctx.fns[s], ctx.loss_fn, last)(
+        weights, x, target)
+    loss = value if last else loss
+  cotangent = (jnp.asarray(1.0 / M, jnp.result_type(loss)) if last
+               else from_buffer(ctx, s + 1, carry.buffers.cots[slot]))
+  if ctx.split is not None and not kind.runs_forward:
+    g_w, g_x, op_cots = split_gradients(ctx, s, kind, carry, weights, kept,
+                                        slot, x, target, cotangent)
+    return g_w, g_x, loss, op_cots
+  return (*kept(cotangent), loss, None)
 
 
 def backward(ctx: Stages, s: int, kind: kinds_lib.TaskKind, carry: TickCarry,
              instr, window: Window):
   """A task that produces gradients: it adds the weight gradient to the
   minibatch's and sends the input's cotangent back, as far as its kind
-  produces them (nF1B: for every micro-batch of the minibatch)."""
+  produces them (nF1B: for every micro-batch of the minibatch); BI of a
+  split backward keeps the weight ops' output cotangents for BW."""
   weights = task_weights(ctx, s, carry, instr)
   grads, sends, losses = None, [], jnp.zeros((), jnp.float32)
   for w in range(ctx.program.backward_width):
-    g_w, g_x, loss = gradients(ctx, s, kind, carry, instr, window, weights, w)
-    grads = g_w if grads is None else jax.tree.map(jnp.add, grads, g_w)
+    g_w, g_x, loss, op_cots = gradients(ctx, s, kind, carry, instr, window,
+                                        weights, w)
+    if kinds_lib.WEIGHT_GRADIENT in kind.produces:
+      grads = g_w if grads is None else jax.tree.map(jnp.add, grads, g_w)
     losses = losses + loss
     # Stage 0's input may be integer (token ids): no cotangent to send.
-    sends.append(to_buffer(ctx, g_x) if s > 0 else no_output(ctx).forward)
+    sends.append(to_buffer(ctx, g_x) if s > 0 and g_x is not None
+                 else no_output(ctx).forward)
   if kinds_lib.WEIGHT_GRADIENT in kind.produces:
     packed = ctx.params.pack(s, grads)
     carry = carry._replace(grads={k: carry.grads[k] + packed[k]
@@ -241,6 +278,9 @@ def backward(ctx: Stages, s: int, kind: kinds_lib.TaskKind, carry: TickCarry,
   out = no_output(ctx)
   if kinds_lib.INPUT_COTANGENT in kind.produces:
     out = out._replace(backward=jnp.stack(sends))
+  if op_cots is not None and kinds_lib.WEIGHT_GRADIENT not in kind.produces:
+    out = out._replace(op_cotangents=ctx.split.packing.pack(s, op_cots),
+                       op_cotangents_slot=slot_of(ctx, instr, window))
   return carry, out
 
 
@@ -262,10 +302,15 @@ def task_branches(ctx: Stages) -> list[list[Callable]]:
 
 
 def keep_residuals(carry: TickCarry, output: TaskOutput) -> TickCarry:
-  """Writes the forward's residuals into their slot (or the scratch slot)."""
-  kept = {k: v.at[output.kept_slot].set(output.kept[k])
-          for k, v in carry.buffers.residuals.items()}
-  return carry._replace(buffers=carry.buffers._replace(residuals=kept))
+  """Writes the forward's residuals and BI's op cotangents into their slots
+  (or the scratch slot)."""
+  write = lambda buffer, row, slot: {k: v.at[slot].set(row[k])  # pylint: disable=unnecessary-lambda-assignment
+                                     for k, v in buffer.items()}
+  buffers = carry.buffers
+  return carry._replace(buffers=buffers._replace(
+      residuals=write(buffers.residuals, output.kept, output.kept_slot),
+      op_cotangents=write(buffers.op_cotangents, output.op_cotangents,
+                          output.op_cotangents_slot)))
 
 
 def exchange(ctx: Stages, output: TaskOutput, rows) -> TaskOutput:

@@ -24,6 +24,8 @@ Examples:
   ['input_cotangent', 'weight_gradient']
   >>> [k.name for k in KINDS.values() if k.closes_update]
   ['B', 'FB', 'BW']
+  >>> [k.name for k in KINDS.values() if k.splits_backward]
+  ['BI', 'BW']
 """
 
 from typing import NamedTuple
@@ -57,6 +59,13 @@ class TaskKind(NamedTuple):
   def closes_update(self) -> bool:
     """Whether the minibatch's update may follow this task (its gradient)."""
     return WEIGHT_GRADIENT in self.produces
+
+  @property
+  def splits_backward(self) -> bool:
+    """Whether the task computes one of the two gradients only (zero-bubble's
+    input- or weight-gradient task)."""
+    return self.runs_backward and not {INPUT_COTANGENT,
+                                       WEIGHT_GRADIENT} <= self.produces
 
   @property
   def last_stage_only(self) -> bool:
