@@ -11,6 +11,10 @@ On 8 emulated CPU devices (2 data x 4 stages), the executor benchmarks' MLP
   minibatch of the same M micro-batches, its backward by autodiff of the
   whole loop, which keeps every residual);
 - the idle tick: the same window with every task made idle, over its ticks;
+- zb-h1 and zb-h2 with residuals and the backward split (BI keeps the weight
+  ops' output cotangents, BW computes only the weight gradients;
+  `split_backward.py`) against the same with BW calling the whole pullback
+  (`WholePullbackBW`, as before the split), in the same run;
 - zb-h1 with residuals under each tick lowering (`dispatch.LOWERINGS`).
 
 Also, without timing: each schedule's measured bubble against its closed
@@ -36,6 +40,7 @@ import stalepipe as sp
 from stalepipe.models.losses import cross_entropy
 from stalepipe.pipeline import dispatch
 from stalepipe.pipeline import executor
+from stalepipe.pipeline import residuals as residuals_lib
 
 S = 4
 SCHEDULES = ("1f1b", "zb-h1", "zb-h2")
@@ -57,13 +62,24 @@ def shard_bytes(tree) -> int:
              for a in jax.tree.leaves(tree))
 
 
-def build(name, remat, lowering, staged, mesh, x, y):
+class WholePullbackBW(executor.Pipeline):
+  """Ablation: BI and BW each call the forward's whole pullback and keep one
+  of its outputs, as before the split backward (`split_backward.py`); BW
+  re-derives the cotangent chain BI computed."""
+
+  def _forwards(self, stage_inputs, target):
+    last = len(self.stage_fns) - 1
+    return None, tuple(residuals_lib.vjp(fn, self.loss_fn, s == last)
+                       for s, fn in enumerate(self.stage_fns))
+
+
+def build(name, remat, lowering, staged, mesh, x, y, pipeline=None):
   """A run of one window, its tables' tick count and its memory figures."""
   B, M = x.shape[:2]
   schedule = common.make_schedule(name, S, M, B)
-  pipe = executor.Pipeline(staged.stage_fns, cross_entropy, schedule,
-                           optax.sgd(0.01), mesh, remat=remat,
-                           lowering=lowering)
+  pipe = (pipeline or executor.Pipeline)(
+      staged.stage_fns, cross_entropy, schedule, optax.sgd(0.01), mesh,
+      remat=remat, lowering=lowering)
   step_fn, state, args = common.step_function(
       pipe, pipe.init(staged.stage_params), x, y)
   idle_args = common.with_tables(args, common.cut_table(pipe.program, ()))
@@ -95,6 +111,8 @@ def main():
   parser.add_argument("--minibatches", type=int, default=2,
                       help="per executor window")
   parser.add_argument("--repeats", type=int, default=15)
+  parser.add_argument("--skip_lowerings", action="store_true",
+                      help="no rows for the other tick lowerings")
   parser.add_argument("--json", default=None, help="write results here")
   args = parser.parse_args()
   H, b, M, B = args.hidden, args.batch, args.micro, args.minibatches
@@ -108,8 +126,12 @@ def main():
       label = f"{name}, {remat}"
       runs[label], runs[f"{label}, idle table"], info[label] = build(
           name, remat, "nested_switch", staged, mesh, x, y)
+  for name in ("zb-h1", "zb-h2"):
+    label = f"{name}, residuals, whole-pullback BW"
+    runs[label], _, info[label] = build(name, "residuals", "nested_switch",
+                                        staged, mesh, x, y, WholePullbackBW)
   for lowering in dispatch.LOWERINGS:
-    if lowering != "nested_switch":
+    if lowering != "nested_switch" and not args.skip_lowerings:
       label = f"zb-h1, residuals, {lowering}"
       runs[label], _, info[label] = build("zb-h1", "residuals", lowering,
                                           staged, mesh, x, y)
