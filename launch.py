@@ -258,6 +258,12 @@ def _initialize_distributed():
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
   if not flags.FLAGS["verbosity"].present:
     faulthandler.disable()  # absl's: a thread dump per process on an abort
+    # C++ logs from fatal up (what TF_CPP_MIN_LOG_LEVEL=3 asks, which this
+    # jaxlib's absl logging no longer reads; jax_logging_level does the same
+    # but also re-levels the Python loggers): a lost peer's warnings and
+    # errors from the coordination client would precede the one line.
+    from jax._src.lib import utils  # pylint: disable=g-import-not-at-top
+    utils.absl_set_min_log_level(3)
   timeout = _INIT_TIMEOUT.value
   joined = threading.Event()
 
@@ -371,7 +377,10 @@ def _supervise(argv) -> None:
   named = {a.split("=", 1)[0]: a.split("=", 1)[-1] for a in argv}
   multi = any(k in named for k in ("--coordinator_address", "--num_processes",
                                    "--process_id"))
-  if supervise.is_worker() or not (multi or _cluster_environment()):
+  if supervise.is_worker():
+    supervise.die_with_parent()
+    return
+  if not (multi or _cluster_environment()):
     return
   me = named.get("--process_id", os.environ.get(
       "SLURM_PROCID", os.environ.get("OMPI_COMM_WORLD_RANK", "?")))

@@ -95,7 +95,9 @@ _CASES = {"mlp": _mlp_stage, "flax": _flax_stage, "last_stage": _last_stage,
           "transformer_last": functools.partial(_transformer, 1)}
 
 
-@pytest.mark.parametrize("name", sorted(_CASES))
+@pytest.mark.parametrize("name", [
+    pytest.param(n, marks=pytest.mark.slow) if n.startswith("transformer")
+    else n for n in sorted(_CASES)])
 def test_bi_and_bw_equal_jax_vjp(name):
   f, p, x, t = _CASES[name]()
   split = split_lib.analyse(f, p, x, t)

@@ -116,6 +116,8 @@ def test_a_killed_parent_takes_its_child_along(tmp_path):
           from stalepipe.train import supervise
           supervise.run([sys.executable, "-c", '''
           import os, time, pathlib
+          from stalepipe.train import supervise
+          supervise.die_with_parent()
           pathlib.Path({str(pid_file)!r}).write_text(str(os.getpid()))
           time.sleep(60)
           '''], "p")

@@ -17,9 +17,9 @@ launcher runs its work in a child process, as torchrun's agent does:
   the dump, and when the child has ended the parent says in one line which
   process was lost (`describe`);
 - SIGTERM and SIGINT reach the child (the trainer's handler saves a
-  checkpoint and stops; a second signal is harmless), and the child dies with
-  its parent (Linux `PR_SET_PDEATHSIG`), so a killed launcher is a dead
-  process to its peers, as before.
+  checkpoint and stops; a second signal is harmless), and the child, calling
+  `die_with_parent` first, dies with its parent (Linux `PR_SET_PDEATHSIG`),
+  so a killed launcher is a dead process to its peers, as before.
 
 The child's stderr is a pipe, so a multi-host run prints the plain progress
 lines of non-interactive output (`console.py`), never the live bar.
@@ -34,6 +34,7 @@ import sys
 from typing import Callable, Sequence
 
 WORKER = "STALEPIPE_WORKER"
+PARENT = "STALEPIPE_SUPERVISOR_PID"
 FATAL = "Terminating process because the JAX distributed service"
 _PR_SET_PDEATHSIG = 1
 
@@ -63,12 +64,19 @@ def describe(me: str, dump: str) -> str:
           f"its own output): {status}")
 
 
-def _die_with_parent() -> None:
-  """In the child, before exec: SIGKILL when the parent dies (Linux)."""
+def die_with_parent() -> None:
+  """In the child, first thing: SIGKILL when the parent dies (Linux).
+
+  Set by the child itself rather than between fork and exec, so that the
+  parent (a test's process may have threads) can spawn without `preexec_fn`;
+  a parent gone before this ran ends the child here.
+  """
   try:
     ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
   except (OSError, AttributeError):
-    pass  # not Linux: the child outlives a killed parent
+    return  # not Linux: the child outlives a killed parent
+  if os.getppid() != int(os.environ.get(PARENT, os.getppid())):
+    os._exit(1)  # pylint: disable=protected-access
 
 
 def run(argv: Sequence[str], me: str,
@@ -82,9 +90,8 @@ def run(argv: Sequence[str], me: str,
     write: where the child's stderr goes (default: this process's stderr).
   """
   write = write or (lambda s: (sys.stderr.write(s), sys.stderr.flush()))
-  env = dict(os.environ, **{WORKER: "1"})
-  child = subprocess.Popen(list(argv), env=env, stderr=subprocess.PIPE,
-                           preexec_fn=_die_with_parent)
+  env = dict(os.environ, **{WORKER: "1", PARENT: str(os.getpid())})
+  child = subprocess.Popen(list(argv), env=env, stderr=subprocess.PIPE)
   forward = lambda signum, _: child.send_signal(signum)
   previous = {s: signal.signal(s, forward)
               for s in (signal.SIGTERM, signal.SIGINT)}
