@@ -6,6 +6,7 @@ worker, one printing the dump JAX's distributed client prints when the
 coordinator dies (taken from a real run, JAX 0.10.2).
 """
 
+import os
 import signal
 import subprocess
 import sys
@@ -137,3 +138,27 @@ def test_a_killed_parent_takes_its_child_along(tmp_path):
     time.sleep(0.05)
   else:
     raise AssertionError(f"child {child} outlived its killed parent")
+
+
+def test_a_signal_to_the_process_group_reaches_the_child_once(tmp_path):
+  """A terminal's Ctrl-C goes to the whole foreground process group: the
+  child, in a session of its own, gets it once, from its parent."""
+  ready = tmp_path / "ready"
+  parent = subprocess.Popen(
+      [sys.executable, "-c", textwrap.dedent(f"""
+          import sys
+          from stalepipe.train import supervise
+          sys.exit(supervise.run([sys.executable, "-c", '''
+          import pathlib, signal, sys, time
+          count = []
+          signal.signal(signal.SIGINT, lambda *_: count.append(1))
+          pathlib.Path({str(ready)!r}).touch()
+          time.sleep(3)
+          sys.exit(10 + len(count))
+          '''], "p"))
+          """)], start_new_session=True)
+  while not ready.exists():
+    assert parent.poll() is None
+    time.sleep(0.05)
+  os.killpg(parent.pid, signal.SIGINT)
+  assert parent.wait(timeout=30) == 11

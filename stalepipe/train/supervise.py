@@ -16,8 +16,9 @@ launcher runs its work in a child process, as torchrun's agent does:
 - a line carrying the client's fatal message is held back with the rest of
   the dump, and when the child has ended the parent says in one line which
   process was lost (`describe`);
-- SIGTERM and SIGINT reach the child (the trainer's handler saves a
-  checkpoint and stops; a second signal is harmless), and the child, calling
+- SIGTERM and SIGINT reach the child once, forwarded (it runs in a session
+  of its own, out of the terminal's process group; the trainer's handler
+  saves a checkpoint and stops), and the child, calling
   `die_with_parent` first, dies with its parent (Linux `PR_SET_PDEATHSIG`),
   so a killed launcher is a dead process to its peers, as before.
 
@@ -91,7 +92,10 @@ def run(argv: Sequence[str], me: str,
   """
   write = write or (lambda s: (sys.stderr.write(s), sys.stderr.flush()))
   env = dict(os.environ, **{WORKER: "1", PARENT: str(os.getpid())})
-  child = subprocess.Popen(list(argv), env=env, stderr=subprocess.PIPE)
+  # A session of its own: a terminal's Ctrl-C or a signal to the parent's
+  # process group reaches the child once, forwarded, not twice.
+  child = subprocess.Popen(list(argv), env=env, stderr=subprocess.PIPE,
+                           start_new_session=True)
   forward = lambda signum, _: child.send_signal(signum)
   previous = {s: signal.signal(s, forward)
               for s in (signal.SIGTERM, signal.SIGINT)}
