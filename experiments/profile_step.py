@@ -11,7 +11,8 @@ a thread waits for the intra-op pool (XLA:CPU splits large loop fusions into
 waiting, not work.
 
   PYTHONPATH=. .venv/bin/python experiments/profile_step.py \
-      [--schedule zb-h1] [--remat residuals] [--batch 32] [--top 15]
+      [--schedule zb-h1] [--remat residuals] [--layout packed] [--batch 32] \
+      [--top 15]
   PYTHONPATH=. .venv/bin/python experiments/profile_step.py --schedule baseline
 """
 
@@ -59,6 +60,8 @@ def main():
                       help="a schedule name, or 'baseline'")
   parser.add_argument("--remat", default="residuals",
                       choices=zero_bubble.REMATS)
+  parser.add_argument("--layout", default="packed",
+                      choices=("packed", "stacked"))
   parser.add_argument("--hidden", type=int, default=512)
   parser.add_argument("--layers", type=int, default=2, help="per stage")
   parser.add_argument("--batch", type=int, default=32, help="per replica")
@@ -78,7 +81,7 @@ def main():
     run = common.baseline_run(staged, mesh, x[0], y[0])
   else:
     run, _, _ = zero_bubble.build(args.schedule, args.remat, "nested_switch",
-                                  staged, mesh, x, y)
+                                  staged, mesh, x, y, layout=args.layout)
   for _ in range(3):
     run()
   with tempfile.TemporaryDirectory() as trace_dir:

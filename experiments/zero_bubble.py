@@ -73,13 +73,14 @@ class WholePullbackBW(executor.Pipeline):
                        for s, fn in enumerate(self.stage_fns))
 
 
-def build(name, remat, lowering, staged, mesh, x, y, pipeline=None):
+def build(name, remat, lowering, staged, mesh, x, y, pipeline=None,
+          layout="packed"):
   """A run of one window, its tables' tick count and its memory figures."""
   B, M = x.shape[:2]
   schedule = common.make_schedule(name, S, M, B)
   pipe = (pipeline or executor.Pipeline)(
       staged.stage_fns, cross_entropy, schedule, optax.sgd(0.01), mesh,
-      remat=remat, lowering=lowering)
+      remat=remat, lowering=lowering, layout=layout)
   step_fn, state, args = common.step_function(
       pipe, pipe.init(staged.stage_params), x, y)
   idle_args = common.with_tables(args, common.cut_table(pipe.program, ()))
@@ -111,6 +112,9 @@ def main():
   parser.add_argument("--minibatches", type=int, default=2,
                       help="per executor window")
   parser.add_argument("--repeats", type=int, default=15)
+  parser.add_argument("--layout", default="packed",
+                      choices=("packed", "stacked"),
+                      help="the executor's weight layout (packing.LAYOUTS)")
   parser.add_argument("--skip_lowerings", action="store_true",
                       help="no rows for the other tick lowerings")
   parser.add_argument("--json", default=None, help="write results here")
@@ -125,11 +129,13 @@ def main():
     for remat in REMATS:
       label = f"{name}, {remat}"
       runs[label], runs[f"{label}, idle table"], info[label] = build(
-          name, remat, "nested_switch", staged, mesh, x, y)
+          name, remat, "nested_switch", staged, mesh, x, y,
+          layout=args.layout)
   for name in ("zb-h1", "zb-h2"):
     label = f"{name}, residuals, whole-pullback BW"
     runs[label], _, info[label] = build(name, "residuals", "nested_switch",
-                                        staged, mesh, x, y, WholePullbackBW)
+                                        staged, mesh, x, y, WholePullbackBW,
+                                        args.layout)
   for lowering in dispatch.LOWERINGS:
     if lowering != "nested_switch" and not args.skip_lowerings:
       label = f"zb-h1, residuals, {lowering}"

@@ -42,3 +42,49 @@ def test_pack_is_traceable():
   layout = packing.Packing(trees)
   flat = jax.jit(lambda t: layout.pack(0, t))(trees[0])
   np.testing.assert_array_equal(flat["float32"], np.arange(6))
+
+
+def _uniform_trees():
+  rng = np.random.default_rng(0)
+  return [{"w": rng.normal(size=(3, 2)).astype(np.float32),
+           "b": (rng.normal(size=2).astype(np.float32), np.int32(s))}
+          for s in range(3)]
+
+
+def test_stacking_keeps_each_leaf_in_its_shape_and_round_trips():
+  trees = _uniform_trees()
+  layout = packing.Stacking(trees)
+  flat = layout.pack_all(trees)
+  # One [S, *shape] array per leaf, in jax.tree.leaves order.
+  leaves = [np.stack(v) for v in zip(*[jax.tree.leaves(t) for t in trees])]
+  assert [flat[k].shape for k in sorted(flat)] == [v.shape for v in leaves]
+  for k, v in zip(sorted(flat), leaves):
+    np.testing.assert_array_equal(flat[k], v)
+  for tree, got in zip(trees, layout.unpack_all(flat)):
+    assert jax.tree.structure(tree) == jax.tree.structure(got)
+    for a, b in zip(jax.tree.leaves(tree), jax.tree.leaves(got)):
+      np.testing.assert_array_equal(a, b)
+  assert layout.row_bytes == sum(np.asarray(v).nbytes
+                                 for v in jax.tree.leaves(trees[0]))
+
+
+def test_add_into_equals_adding_the_packed_tree_in_both_layouts():
+  trees = _uniform_trees()
+  for layout in (packing.Packing(trees), packing.Stacking(trees)):
+    flat = {k: v[1] for k, v in layout.pack_all(trees).items()}
+    got = layout.unpack(1, layout.add_into(1, flat, trees[2]))
+    want = jax.tree.map(lambda a, b: np.asarray(a) + np.asarray(b), trees[1],
+                        trees[2])
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+      np.testing.assert_array_equal(a, b)
+
+
+def test_stacking_refuses_stages_of_different_structures_in_one_line():
+  trees = _uniform_trees()
+  trees[2] = {"w": np.zeros((3, 4), np.float32), "b": trees[2]["b"]}
+  try:
+    packing.Stacking(trees)
+  except ValueError as e:
+    assert "stage 2" in str(e) and "packed" in str(e) and "\n" not in str(e)
+  else:
+    raise AssertionError("a stage of another shape was stacked")

@@ -130,6 +130,12 @@ class Pipeline:
       backward tasks; `residuals.py`; where the schedule has input- and
       weight-gradient tasks, BI keeps each weight op's output cotangent and
       BW computes only the weight gradient: `split_backward.py`).
+    layout: how weights, optimizer state and the gradient accumulator are
+      held per stage (`packing.LAYOUTS`): "packed" (one flat vector per dtype,
+      any stages) or "stacked" (each leaf in its own shape, for stages of one
+      structure: a task reads its weights in place and a backward adds leaf
+      by leaf; about 8% faster in an interleaved A/B on 8 emulated CPU
+      devices, docs/executor.md).
 
   Examples:
     >>> import jax, optax, stalepipe as sp
@@ -146,7 +152,8 @@ class Pipeline:
   def __init__(self, stage_fns: Sequence[Callable], loss_fn: Callable,
                schedule: Schedule, optimizer: optax.GradientTransformation,
                mesh: Mesh, sync: sync_lib.SyncPolicy | None = None,
-               lowering: str = "nested_switch", remat: str = "recompute"):
+               lowering: str = "nested_switch", remat: str = "recompute",
+               layout: str = "packed"):
     if tuple(mesh.axis_names) != (DATA, STAGE):
       raise ValueError(f"mesh axes {tuple(mesh.axis_names)} are invalid; "
                        f"valid: ({DATA!r}, {STAGE!r})")
@@ -157,6 +164,10 @@ class Pipeline:
     contract.check(stage_fns, schedule, optimizer, sync, mesh.shape[DATA])
     residuals_lib.check(remat, schedule, optimizer)
     self.remat = remat
+    if layout not in packing.LAYOUTS:
+      raise ValueError(f"layout {layout!r} is invalid; valid: "
+                       f"{', '.join(packing.LAYOUTS)}")
+    self.layout = layout
     self.stage_fns = tuple(stage_fns)
     self.loss_fn = loss_fn
     self.schedule = schedule
@@ -207,8 +218,9 @@ class Pipeline:
                        f"{len(self.stage_fns)} stages; valid: "
                        f"{len(self.stage_fns)}")
     opt_states = [self.optimizer.init(p) for p in stage_params]
-    self._param_packing = packing.Packing(stage_params)
-    self._opt_packing = packing.Packing(opt_states)
+    layout = packing.LAYOUTS[self.layout]
+    self._param_packing = layout(stage_params)
+    self._opt_packing = layout(opt_states)
     S, R = len(self.stage_fns), self.program.num_versions
     params = self._param_packing.pack_all(stage_params)
     ring = {k: np.zeros((S, R) + v.shape[1:], v.dtype) for k, v in params.items()}

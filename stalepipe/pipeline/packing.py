@@ -67,6 +67,11 @@ class Packing:
       flat[dtype] = jnp.pad(vec, (0, length - vec.shape[0]))
     return flat
 
+  def add_into(self, stage: int, flat: Flat, tree: Any) -> Flat:
+    """`flat + pack(stage, tree)` (traceable)."""
+    packed = self.pack(stage, tree)
+    return {k: flat[k] + packed[k] for k in packed}
+
   def unpack(self, stage: int, flat: Flat) -> Any:
     """The inverse of `pack` for stage `stage` (traceable)."""
     leaves = [
@@ -85,3 +90,75 @@ class Packing:
     """The inverse of `pack_all`."""
     return tuple(self.unpack(s, {k: v[s] for k, v in flat.items()})
                  for s in range(self.num_stages))
+
+
+class Stacking:
+  """`Packing`'s interface for stages that share one structure: leaf i of
+  every stage under the key `"%04d" % i`, in its own shape, so stage s's
+  weights are `[..., *shape]` arrays read in place and a gradient adds leaf
+  by leaf (no flat row to slice or concatenate; MaxText stacks its stages
+  the same way).
+
+  Examples:
+    >>> import numpy as np
+    >>> t = {"w": np.ones((2, 3), np.float32), "b": np.zeros(3, np.float32)}
+    >>> st = Stacking([t, t])
+    >>> {k: v.shape for k, v in st.pack_all(st.trees).items()}
+    {'0000': (2, 3), '0001': (2, 2, 3)}
+  """
+
+  def __init__(self, trees: Sequence[Any]):
+    self.trees = tuple(trees)
+    leaves, self.treedef = jax.tree.flatten(self.trees[0])
+    self.shapes = [jax.ShapeDtypeStruct(np.shape(v), jnp.dtype(v.dtype))
+                   for v in leaves]
+    for s, tree in enumerate(self.trees):
+      if not shares_structure(self.trees[0], tree):
+        raise ValueError(f"stage {s}'s pytree differs from stage 0's in "
+                         "structure, shape or dtype; valid for a stacked "
+                         "layout: stages of one structure (else 'packed')")
+    self.keys = [f"{i:04d}" for i in range(len(leaves))]
+
+  @property
+  def num_stages(self) -> int:
+    return len(self.trees)
+
+  @property
+  def row_bytes(self) -> int:
+    """Bytes of one stage's weights, all leaves."""
+    return sum(int(np.prod(v.shape, dtype=np.int64)) * v.dtype.itemsize
+               for v in self.shapes)
+
+  def pack(self, stage: int, tree: Any) -> Flat:
+    del stage
+    return dict(zip(self.keys, (jnp.asarray(v, s.dtype) for v, s in
+                                zip(jax.tree.leaves(tree), self.shapes))))
+
+  def add_into(self, stage: int, flat: Flat, tree: Any) -> Flat:
+    """`flat + pack(stage, tree)`: one add per leaf."""
+    return {k: flat[k] + v for k, v in self.pack(stage, tree).items()}
+
+  def unpack(self, stage: int, flat: Flat) -> Any:
+    del stage
+    return jax.tree.unflatten(self.treedef, [flat[k] for k in self.keys])
+
+  def pack_all(self, trees: Sequence[Any]) -> Flat:
+    """All stages stacked: key -> `[S, *shape]`."""
+    return {k: np.stack([np.asarray(jax.tree.leaves(t)[i]) for t in trees])
+            for i, k in enumerate(self.keys)}
+
+  def unpack_all(self, flat: Flat) -> tuple[Any, ...]:
+    return tuple(self.unpack(s, {k: v[s] for k, v in flat.items()})
+                 for s in range(self.num_stages))
+
+
+def shares_structure(a: Any, b: Any) -> bool:
+  """Whether two pytrees have one treedef and equal leaf shapes and dtypes."""
+  la, ta = jax.tree.flatten(a)
+  lb, tb = jax.tree.flatten(b)
+  return ta == tb and all(
+      np.shape(x) == np.shape(y) and jnp.dtype(x.dtype) == jnp.dtype(y.dtype)
+      for x, y in zip(la, lb))
+
+
+LAYOUTS = {"packed": Packing, "stacked": Stacking}

@@ -270,9 +270,7 @@ def backward(ctx: Stages, s: int, kind: kinds_lib.TaskKind, carry: TickCarry,
     sends.append(to_buffer(ctx, g_x) if s > 0 and g_x is not None
                  else no_output(ctx).forward)
   if kinds_lib.WEIGHT_GRADIENT in kind.produces:
-    packed = ctx.params.pack(s, grads)
-    carry = carry._replace(grads={k: carry.grads[k] + packed[k]
-                                  for k in packed})
+    carry = carry._replace(grads=ctx.params.add_into(s, carry.grads, grads))
   if kind.runs_forward:
     carry = add_losses(carry, losses, ctx.program.backward_width)
   out = no_output(ctx)
