@@ -59,6 +59,21 @@ def test_the_coordinators_death_is_one_line_naming_process_0():
       "network issues. Check earlier logs from 1) this t")
 
 
+def test_a_child_that_said_its_error_first_gets_no_second_line():
+  """A collective can fail (its peer gone) and the launcher print its line
+  just before the service's abort: still one error line."""
+  said = ("launch.py: error: process 1 of 2 lost contact with process 0, "
+          "which stopped or crashed (see its own output): UNKNOWN: Gloo")
+  code, err = _run(f"""
+      import os, sys
+      sys.stderr.write({said + chr(10)!r}); sys.stderr.flush()
+      sys.stderr.write({COORDINATOR_DUMP!r}); sys.stderr.flush()
+      os.abort()
+      """)
+  assert code == 1
+  assert err.splitlines() == [said]
+
+
 def test_a_task_the_service_reports_is_named():
   assert supervise.describe("process 0 of 4", TASK_DUMP) == (
       "process 0 of 4: the multi-host run failed: process 2 stopped or crashed "

@@ -37,6 +37,7 @@ from typing import Callable, Sequence
 WORKER = "STALEPIPE_WORKER"
 PARENT = "STALEPIPE_SUPERVISOR_PID"
 FATAL = "Terminating process because the JAX distributed service"
+ERROR = "launch.py: error:"
 _PR_SET_PDEATHSIG = 1
 
 
@@ -100,18 +101,22 @@ def run(argv: Sequence[str], me: str,
   previous = {s: signal.signal(s, forward)
               for s in (signal.SIGTERM, signal.SIGINT)}
   try:
-    dump = []
+    dump, said = [], False
     for raw in iter(child.stderr.readline, b""):
       line = raw.decode(errors="replace")
       if dump or FATAL in line:
         dump.append(line)
       else:
+        said = said or line.startswith(ERROR)
         write(line)
     code = child.wait()
   finally:
     for s, handler in previous.items():
       signal.signal(s, handler)
   if dump:
-    write(f"launch.py: error: {describe(me, ''.join(dump))}\n")
+    # The child may have said first what failed (a collective that lost its
+    # peer), racing the service's abort: one line, not two.
+    if not said:
+      write(f"{ERROR} {describe(me, ''.join(dump))}\n")
     return 1
   return code
