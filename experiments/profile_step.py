@@ -29,6 +29,8 @@ import executor_common as common  # pylint: disable=g-bad-import-order
 import jax
 import numpy as np
 
+from stalepipe.pipeline import packing
+
 import zero_bubble
 
 # Trace events that contain ops or wait for others, not ops themselves.
@@ -61,7 +63,7 @@ def main():
   parser.add_argument("--remat", default="residuals",
                       choices=zero_bubble.REMATS)
   parser.add_argument("--layout", default="packed",
-                      choices=("packed", "stacked"))
+                      choices=tuple(packing.LAYOUTS))
   parser.add_argument("--hidden", type=int, default=512)
   parser.add_argument("--layers", type=int, default=2, help="per stage")
   parser.add_argument("--batch", type=int, default=32, help="per replica")

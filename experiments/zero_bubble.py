@@ -40,6 +40,7 @@ import stalepipe as sp
 from stalepipe.models.losses import cross_entropy
 from stalepipe.pipeline import dispatch
 from stalepipe.pipeline import executor
+from stalepipe.pipeline import packing
 from stalepipe.pipeline import residuals as residuals_lib
 
 S = 4
@@ -113,7 +114,7 @@ def main():
                       help="per executor window")
   parser.add_argument("--repeats", type=int, default=15)
   parser.add_argument("--layout", default="packed",
-                      choices=("packed", "stacked"),
+                      choices=tuple(packing.LAYOUTS),
                       help="the executor's weight layout (packing.LAYOUTS)")
   parser.add_argument("--skip_lowerings", action="store_true",
                       help="no rows for the other tick lowerings")

@@ -164,10 +164,7 @@ class Pipeline:
     contract.check(stage_fns, schedule, optimizer, sync, mesh.shape[DATA])
     residuals_lib.check(remat, schedule, optimizer)
     self.remat = remat
-    if layout not in packing.LAYOUTS:
-      raise ValueError(f"layout {layout!r} is invalid; valid: "
-                       f"{', '.join(packing.LAYOUTS)}")
-    self.layout = layout
+    self.layout = packing.get(layout)
     self.stage_fns = tuple(stage_fns)
     self.loss_fn = loss_fn
     self.schedule = schedule
@@ -218,9 +215,8 @@ class Pipeline:
                        f"{len(self.stage_fns)} stages; valid: "
                        f"{len(self.stage_fns)}")
     opt_states = [self.optimizer.init(p) for p in stage_params]
-    layout = packing.LAYOUTS[self.layout]
-    self._param_packing = layout(stage_params)
-    self._opt_packing = layout(opt_states)
+    self._param_packing = self.layout(stage_params)
+    self._opt_packing = self.layout(opt_states)
     S, R = len(self.stage_fns), self.program.num_versions
     params = self._param_packing.pack_all(stage_params)
     ring = {k: np.zeros((S, R) + v.shape[1:], v.dtype) for k, v in params.items()}

@@ -16,7 +16,23 @@ import numpy as np
 Flat = dict[str, jax.Array]  # dtype name -> [L] (one stage) or [..., L]
 
 
-class Packing:
+class _Layout:
+  """What both layouts share: S stage pytrees, unpacked one stage at a
+  time (a subclass defines `trees` and `unpack`)."""
+
+  trees: tuple
+
+  @property
+  def num_stages(self) -> int:
+    return len(self.trees)
+
+  def unpack_all(self, flat: Flat) -> tuple[Any, ...]:
+    """The inverse of `pack_all`."""
+    return tuple(self.unpack(s, {k: v[s] for k, v in flat.items()})
+                 for s in range(self.num_stages))
+
+
+class Packing(_Layout):
   """The flat layout of `S` pytrees (one per stage), grouped by dtype.
 
   Examples:
@@ -45,10 +61,6 @@ class Packing:
       self.treedefs.append(treedef)
       self.slots.append(slots)
     self.lengths = {k: max(totals[k], 1) for k in sorted(totals)}
-
-  @property
-  def num_stages(self) -> int:
-    return len(self.trees)
 
   @property
   def row_bytes(self) -> int:
@@ -86,13 +98,7 @@ class Packing:
     packed = [self.pack(s, t) for s, t in enumerate(trees)]
     return {k: jnp.stack([p[k] for p in packed]) for k in self.lengths}
 
-  def unpack_all(self, flat: Flat) -> tuple[Any, ...]:
-    """The inverse of `pack_all`."""
-    return tuple(self.unpack(s, {k: v[s] for k, v in flat.items()})
-                 for s in range(self.num_stages))
-
-
-class Stacking:
+class Stacking(_Layout):
   """`Packing`'s interface for stages that share one structure: leaf i of
   every stage under the key `"%04d" % i`, in its own shape, so stage s's
   weights are `[..., *shape]` arrays read in place and a gradient adds leaf
@@ -112,16 +118,12 @@ class Stacking:
     leaves, self.treedef = jax.tree.flatten(self.trees[0])
     self.shapes = [jax.ShapeDtypeStruct(np.shape(v), jnp.dtype(v.dtype))
                    for v in leaves]
-    for s, tree in enumerate(self.trees):
+    for s, tree in enumerate(self.trees[1:], start=1):
       if not shares_structure(self.trees[0], tree):
         raise ValueError(f"stage {s}'s pytree differs from stage 0's in "
                          "structure, shape or dtype; valid for a stacked "
                          "layout: stages of one structure (else 'packed')")
     self.keys = [f"{i:04d}" for i in range(len(leaves))]
-
-  @property
-  def num_stages(self) -> int:
-    return len(self.trees)
 
   @property
   def row_bytes(self) -> int:
@@ -144,12 +146,9 @@ class Stacking:
 
   def pack_all(self, trees: Sequence[Any]) -> Flat:
     """All stages stacked: key -> `[S, *shape]`."""
-    return {k: np.stack([np.asarray(jax.tree.leaves(t)[i]) for t in trees])
+    leaves = [jax.tree.leaves(t) for t in trees]
+    return {k: np.stack([np.asarray(stage[i]) for stage in leaves])
             for i, k in enumerate(self.keys)}
-
-  def unpack_all(self, flat: Flat) -> tuple[Any, ...]:
-    return tuple(self.unpack(s, {k: v[s] for k, v in flat.items()})
-                 for s in range(self.num_stages))
 
 
 def shares_structure(a: Any, b: Any) -> bool:
@@ -162,3 +161,11 @@ def shares_structure(a: Any, b: Any) -> bool:
 
 
 LAYOUTS = {"packed": Packing, "stacked": Stacking}
+
+
+def get(name: str) -> type[_Layout]:
+  """The layout registered under `name`."""
+  if name not in LAYOUTS:
+    raise ValueError(f"layout {name!r} is invalid; valid: "
+                     f"{', '.join(LAYOUTS)}")
+  return LAYOUTS[name]
