@@ -68,17 +68,6 @@ def test_stacking_keeps_each_leaf_in_its_shape_and_round_trips():
                                  for v in jax.tree.leaves(trees[0]))
 
 
-def test_add_into_equals_adding_the_packed_tree_in_both_layouts():
-  trees = _uniform_trees()
-  for layout in (packing.Packing(trees), packing.Stacking(trees)):
-    flat = {k: v[1] for k, v in layout.pack_all(trees).items()}
-    got = layout.unpack(1, layout.add_into(1, flat, trees[2]))
-    want = jax.tree.map(lambda a, b: np.asarray(a) + np.asarray(b), trees[1],
-                        trees[2])
-    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-      np.testing.assert_array_equal(a, b)
-
-
 def test_stacking_refuses_stages_of_different_structures_in_one_line():
   trees = _uniform_trees()
   trees[2] = {"w": np.zeros((3, 4), np.float32), "b": trees[2]["b"]}

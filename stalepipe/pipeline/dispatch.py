@@ -35,10 +35,11 @@ def cond_chain(stage, code, branches: Sequence[Sequence[Callable]], *args):
   is the starting value.
 
   A multi-way conditional copies every buffer a branch returns unchanged
-  (the gradient accumulator, on every tick that does not add to it); a
-  two-way conditional whose other branch passes its operands through does
-  not (measured on XLA:CPU, docs/executor.md). Slower than `nested_switch`
-  on busy schedules there, for the conditionals it adds.
+  and another branch changes; a two-way conditional whose other branch
+  passes its operands through does not (measured on XLA:CPU,
+  docs/executor.md; `tick.run_tasks` keeps the gradient accumulator out of
+  the task branches for that reason). Slower than `nested_switch` on busy
+  schedules there, for the conditionals it adds.
   """
   result = branches[0][0](*args)
   for s, row in enumerate(branches):

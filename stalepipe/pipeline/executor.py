@@ -86,9 +86,9 @@ def run_window(ctx: tick_lib.Stages, state: PipelineState, inputs, targets,
       stage=jax.lax.axis_index(STAGE), replica=jax.lax.axis_index(DATA))
   carry = TickCarry(
       ring=local(state.ring), opt_state=local(state.opt_state),
-      grads=local(state.grads), buffers=local(state.buffers),
-      sync=local(state.sync), loss_sum=jnp.zeros((), jnp.float32),
-      num_losses=jnp.zeros((), jnp.int32))
+      grads=local(state.grads), grads_spent=jnp.zeros((), bool),
+      buffers=local(state.buffers), sync=local(state.sync),
+      loss_sum=jnp.zeros((), jnp.float32), num_losses=jnp.zeros((), jnp.int32))
   table = jax.tree.map(
       lambda c: jax.lax.dynamic_index_in_dim(c, jnp.minimum(step, K - 1),
                                              keepdims=False), tables)
@@ -100,7 +100,8 @@ def run_window(ctx: tick_lib.Stages, state: PipelineState, inputs, targets,
   keep = window.inputs.shape[0] - H * B
   new = PipelineState(
       ring=unlocal(carry.ring), opt_state=unlocal(carry.opt_state),
-      grads=unlocal(carry.grads), buffers=unlocal(carry.buffers),
+      grads=unlocal(tick_lib.accumulated(carry)),
+      buffers=unlocal(carry.buffers),
       history=InputHistory(*[None if H == 0 else x[keep:]
                              for x in (window.inputs, window.targets)]),
       sync=unlocal(carry.sync), step=step + 1)

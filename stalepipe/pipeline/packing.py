@@ -79,11 +79,6 @@ class Packing(_Layout):
       flat[dtype] = jnp.pad(vec, (0, length - vec.shape[0]))
     return flat
 
-  def add_into(self, stage: int, flat: Flat, tree: Any) -> Flat:
-    """`flat + pack(stage, tree)` (traceable)."""
-    packed = self.pack(stage, tree)
-    return {k: flat[k] + packed[k] for k in packed}
-
   def unpack(self, stage: int, flat: Flat) -> Any:
     """The inverse of `pack` for stage `stage` (traceable)."""
     leaves = [
@@ -135,10 +130,6 @@ class Stacking(_Layout):
     del stage
     return dict(zip(self.keys, (jnp.asarray(v, s.dtype) for v, s in
                                 zip(jax.tree.leaves(tree), self.shapes))))
-
-  def add_into(self, stage: int, flat: Flat, tree: Any) -> Flat:
-    """`flat + pack(stage, tree)`: one add per leaf."""
-    return {k: flat[k] + v for k, v in self.pack(stage, tree).items()}
 
   def unpack(self, stage: int, flat: Flat) -> Any:
     del stage

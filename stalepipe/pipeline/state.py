@@ -60,6 +60,8 @@ class TickCarry(NamedTuple):
   ring: WeightRing  # params dtype -> [R, L], versions [R], latest []
   opt_state: packing.Flat  # dtype -> [L_opt]
   grads: packing.Flat  # dtype -> [L]
+  grads_spent: jax.Array  # bool []: an update consumed `grads`, which now
+  #   reads as zero (`tick.accumulated`) until the next gradient overwrites it
   buffers: Buffers  # [C, b, A] each
   sync: Any  # the policy's state for this stage and replica
   loss_sum: jax.Array  # float32 []: losses of micro-batches ended here

@@ -103,6 +103,20 @@ class TaskOutput(NamedTuple):
   op_cotangents_slot: jax.Array  # int32 []: their slot; C when none
 
 
+def accumulated(carry: TickCarry) -> packing.Flat:
+  """The minibatch's gradient so far: `carry.grads`, or zeros where an
+  update has consumed it (`grads_spent`).
+
+  An update does not zero the accumulator: a branch that wrote a new buffer
+  there would make every branch that passes the accumulator through copy it
+  (XLA:CPU's conditionals, `dispatch.py`), every tick. The next weight
+  gradient overwrites it instead, in the same fused pass as its add.
+  """
+  return jax.tree.map(
+      lambda g: jnp.where(carry.grads_spent, jnp.zeros((), g.dtype), g),
+      carry.grads)
+
+
 def ring_slot(versions: jax.Array, version) -> jax.Array:
   """The ring slot holding `version`."""
   return jnp.argmax(versions == version)
@@ -254,10 +268,12 @@ def gradients(ctx: Stages, s: int, kind: kinds_lib.TaskKind, carry: TickCarry,
 
 def backward(ctx: Stages, s: int, kind: kinds_lib.TaskKind, carry: TickCarry,
              instr, window: Window):
-  """A task that produces gradients: it adds the weight gradient to the
-  minibatch's and sends the input's cotangent back, as far as its kind
-  produces them (nF1B: for every micro-batch of the minibatch); BI of a
-  split backward keeps the weight ops' output cotangents for BW."""
+  """A task that produces gradients: the weight gradient (packed; the
+  caller adds it to the minibatch's, `run_tasks`) and the input's cotangent
+  to send back, as far as its kind produces them (nF1B: for every
+  micro-batch of the minibatch); BI of a split backward keeps the weight
+  ops' output cotangents for BW. Returns (carry, output, packed weight
+  gradient or None)."""
   weights = task_weights(ctx, s, carry, instr)
   grads, sends, losses = None, [], jnp.zeros((), jnp.float32)
   for w in range(ctx.program.backward_width):
@@ -269,8 +285,6 @@ def backward(ctx: Stages, s: int, kind: kinds_lib.TaskKind, carry: TickCarry,
     # Stage 0's input may be integer (token ids): no cotangent to send.
     sends.append(to_buffer(ctx, g_x) if s > 0 and g_x is not None
                  else no_output(ctx).forward)
-  if kinds_lib.WEIGHT_GRADIENT in kind.produces:
-    carry = carry._replace(grads=ctx.params.add_into(s, carry.grads, grads))
   if kind.runs_forward:
     carry = add_losses(carry, losses, ctx.program.backward_width)
   out = no_output(ctx)
@@ -279,24 +293,71 @@ def backward(ctx: Stages, s: int, kind: kinds_lib.TaskKind, carry: TickCarry,
   if op_cots is not None and kinds_lib.WEIGHT_GRADIENT not in kind.produces:
     out = out._replace(op_cotangents=ctx.split.packing.pack(s, op_cots),
                        op_cotangents_slot=slot_of(ctx, instr, window))
-  return carry, out
+  return carry, out, None if grads is None else ctx.params.pack(s, grads)
 
 
 def run_task(ctx: Stages, s: int, kind: kinds_lib.TaskKind, carry: TickCarry,
              instr, window: Window):
-  """Stage s runs a task of `kind`, as the kind declares."""
+  """Stage s runs a task of `kind`, as the kind declares: (carry, output,
+  packed weight gradient or None)."""
   if kind.runs_backward:
     return backward(ctx, s, kind, carry, instr, window)
-  return forward(ctx, s, carry, instr, window)
+  return (*forward(ctx, s, carry, instr, window), None)
 
 
 def task_branches(ctx: Stages) -> list[list[Callable]]:
   """`[stage][code]`: the function each stage runs for each kind code."""
   kinds = [kinds_lib.kind(name) for name in ctx.program.kinds]
-  return [[lambda c, i, w: idle(ctx, c, i, w)]
+  return [[lambda c, i, w: (*idle(ctx, c, i, w), None)]
           + [lambda c, i, w, s=s, k=k: run_task(ctx, s, k, c, i, w)
              for k in kinds]
           for s in range(ctx.num_stages)]
+
+
+def run_tasks(ctx: Stages, carry: TickCarry, instr, window: Window):
+  """The stage's task, dispatched (`ctx.lowering`) in two groups under one
+  two-way `cond`: the kinds that produce a weight gradient, and the rest.
+
+  Neither group's branches take or return the gradient accumulator: the
+  first returns the task's packed gradient, which is added outside its
+  branches, and the second leaves the accumulator to the `cond`, whose
+  other branch passes it through. XLA:CPU copies, in every branch of a
+  multi-way conditional that passes a buffer through, each buffer that
+  another branch changes; a two-way `cond` copies nothing when its
+  changing branch updates the buffer elementwise. So no tick copies the
+  accumulator (2 MB per stage of the benchmarks' MLP).
+  """
+  branches = task_branches(ctx)
+  kinds = [kinds_lib.kind(name) for name in ctx.program.kinds]
+  adds = [c for c, k in enumerate(kinds, start=1)
+          if kinds_lib.WEIGHT_GRADIENT in k.produces]
+  rest = [c for c in range(1, len(kinds) + 1) if c not in adds]
+  zeros = jax.tree.map(lambda g: jnp.zeros(g.shape, g.dtype), carry.grads)
+
+  def group(codes, c, gradient):
+    # Code 0 (idle) stays first in each group, as every lowering expects.
+    position = np.zeros(len(kinds) + 1, np.int32)
+    position[codes] = np.arange(1, len(codes) + 1)
+    rows = [[lambda *a, fn=row[code]: gradient(*fn(*a))
+             for code in [0] + codes] for row in branches]
+    return ctx.lowering(window.stage, jnp.asarray(position)[instr.kind],
+                        rows, c._replace(grads=(), grads_spent=()), instr,
+                        window)
+
+  def adding(c):
+    done, output, gradient = group(
+        adds, c, lambda d, o, g: (d, o, zeros if g is None else g))
+    grads = jax.tree.map(jnp.add, accumulated(c), gradient)
+    return done._replace(grads=grads, grads_spent=jnp.zeros((), bool)), output
+
+  def not_adding(c):
+    done, output = group(rest, c, lambda d, o, g: (d, o))
+    return done._replace(grads=c.grads, grads_spent=c.grads_spent), output
+
+  if not adds:
+    return not_adding(carry)
+  return jax.lax.cond(jnp.isin(instr.kind, np.asarray(adds)), adding,
+                      not_adding, carry)
 
 
 def keep_residuals(carry: TickCarry, output: TaskOutput) -> TickCarry:
@@ -355,7 +416,7 @@ def optimizer_step(ctx: Stages, s: int, carry: TickCarry, grads, instr):
       stale_params=ctx.params.unpack(s, read_version(carry.ring,
                                                      instr.update_lag)),
       staleness=instr.update_staleness,
-      local_updates=ctx.params.unpack(s, carry.grads))
+      local_updates=ctx.params.unpack(s, accumulated(carry)))
   updates, opt_state = ctx.optimizer.update(ctx.params.unpack(s, grads),
                                             opt_state, current, **kwargs)
   return (ctx.params.pack(s, optax.apply_updates(current, updates)),
@@ -380,7 +441,7 @@ def apply_update(ctx: Stages, window: Window, carry: TickCarry,
   Only the optimizer step depends on the stage (its layout); the policy's
   collectives run once, outside any stage-dependent branch.
   """
-  grads = ctx.sync.reduce_gradient(carry.grads, DATA)
+  grads = ctx.sync.reduce_gradient(accumulated(carry), DATA)
   (params, opt_state), _ = ctx.lowering(
       window.stage, 1,
       [[lambda c, g, i: ((read_version(c.ring, 0), c.opt_state), ()),
@@ -395,14 +456,13 @@ def apply_update(ctx: Stages, window: Window, carry: TickCarry,
       params, read_version(carry.ring, 0), carry.sync, event, DATA)
   return carry._replace(
       ring=write_version(carry.ring, params, instr.evict), opt_state=opt_state,
-      grads=jax.tree.map(jnp.zeros_like, carry.grads), sync=sync_state)
+      grads_spent=jnp.ones((), bool), sync=sync_state)
 
 
 def tick(ctx: Stages, window: Window, carry: TickCarry, rows):
   """One tick on this device; `rows` holds every stage's row."""
   instr = jax.tree.map(lambda column: column[window.stage], rows)
-  carry, output = ctx.lowering(window.stage, instr.kind, task_branches(ctx),
-                               carry, instr, window)
+  carry, output = run_tasks(ctx, carry, instr, window)
   carry = keep_residuals(carry, output)
   carry = file_arrivals(ctx, carry, exchange(ctx, output, rows), instr,
                         window)
