@@ -141,7 +141,8 @@ def main():
     if lowering != "nested_switch" and not args.skip_lowerings:
       label = f"zb-h1, residuals, {lowering}"
       runs[label], _, info[label] = build("zb-h1", "residuals", lowering,
-                                          staged, mesh, x, y)
+                                          staged, mesh, x, y,
+                                          layout=args.layout)
 
   baseline = "baseline GPipe (MaxText style)"
   runs[baseline] = common.baseline_run(staged, mesh, x[0], y[0])
