@@ -82,7 +82,8 @@ _NO_STASH = {"weight_stashing": False}
 _CASES = [("wp1", "gpipe", {}, 1, 4), ("wp2", "1f1b", {}, 2, 2),
           ("wp3", "gpipe", {}, 2, 2), ("wp3", "gpipe", {}, 1, 4),
           ("spectrain", "pipedream", _NO_STASH, 3, 1),
-          ("spectrain", "pipedream", {}, 3, 2),
+          pytest.param("spectrain", "pipedream", {}, 3, 2,
+                       marks=pytest.mark.slow),
           ("pipemare", "timeprest", {}, 3, 1),
           ("pipemare", "pipedream", _NO_STASH, 3, 2)]
 

@@ -42,7 +42,11 @@ _SPECS = [
 ]
 
 
-@pytest.mark.parametrize("spec", _SPECS, ids=lambda s: s["sync"])
+# BSP stays in the quick suite; WSP and SDPipe (about 14 s each) run with
+# the slow tests.
+@pytest.mark.parametrize("spec", [
+    _SPECS[0], *(pytest.param(s, marks=pytest.mark.slow) for s in _SPECS[1:])],
+    ids=lambda s: s["sync"])
 def test_two_processes_match_one(tmp_path, spec):
   args = (json.dumps(spec),)
   one = _run(1, tmp_path / "one.npz", *args)
