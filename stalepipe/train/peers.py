@@ -7,6 +7,12 @@ process bumps a counter of its own in JAX's distributed key-value store each
 second and reads the others'; a peer whose counter stands still for half the
 heartbeat timeout (and that has not said it is done) is reported through
 `on_lost`, which is expected to end the process.
+
+`done` stops the watch and waits for its thread before the process exits:
+a daemon thread still calling into the runtime's client while the
+interpreter finalizes is ended by `pthread_exit`, whose unwinding through
+the binding's C++ aborts the process ("terminate called after throwing an
+instance of ''", "FATAL: exception not rethrown") after a finished run.
 """
 
 import threading
@@ -17,6 +23,8 @@ import jax
 from jax._src import distributed  # the runtime's client: its key-value store
 
 _PREFIX = "stalepipe/peers"
+_stop = threading.Event()
+_threads: list[threading.Thread] = []
 
 
 def _client():
@@ -40,7 +48,7 @@ def watch(heartbeat_timeout: float, on_lost: Callable[[str], None],
   def beat_and_check():
     seen = {p: (None, time.monotonic()) for p in range(jax.process_count())
             if p != me}
-    while True:
+    while not _stop.is_set():
       try:
         client.key_value_increment(f"{_PREFIX}/alive/{me}", 1)
         for p, (last, since) in list(seen.items()):
@@ -59,9 +67,11 @@ def watch(heartbeat_timeout: float, on_lost: Callable[[str], None],
         on_lost(f"process {me} of {jax.process_count()}: lost the "
                 f"coordinator, process 0 (see its own output): "
                 f"{' '.join(str(e).split())[:200]}")
-      time.sleep(interval)
+      _stop.wait(interval)
 
-  threading.Thread(target=beat_and_check, daemon=True).start()
+  _stop.clear()
+  _threads.append(threading.Thread(target=beat_and_check, daemon=True))
+  _threads[-1].start()
 
 
 def _try_get(client, key: str) -> str | None:
@@ -73,8 +83,13 @@ def _try_get(client, key: str) -> str | None:
     raise
 
 
-def done() -> None:
-  """Tells the others this process has finished: not lost when it exits."""
+def done(timeout: float = 30.0) -> None:
+  """Tells the others this process has finished: not lost when it exits;
+  then stops the watch and waits (up to `timeout` s) for its thread to end.
+  """
   if jax.process_count() > 1:
     _client().key_value_set(f"{_PREFIX}/done/{jax.process_index()}", "1",
                             allow_overwrite=True)
+  _stop.set()
+  while _threads:
+    _threads.pop().join(timeout)
