@@ -80,11 +80,13 @@ _NO_STASH = {"weight_stashing": False}
 # weight stashing (their setting), where a backward reads newer weights than
 # its forward (since_forward > 0), and PipeMare on nF1B.
 _CASES = [("wp1", "gpipe", {}, 1, 4), ("wp2", "1f1b", {}, 2, 2),
-          ("wp3", "gpipe", {}, 2, 2), ("wp3", "gpipe", {}, 1, 4),
+          ("wp3", "gpipe", {}, 2, 2),
+          pytest.param("wp3", "gpipe", {}, 1, 4, marks=pytest.mark.slow),
           ("spectrain", "pipedream", _NO_STASH, 3, 1),
           pytest.param("spectrain", "pipedream", {}, 3, 2,
                        marks=pytest.mark.slow),
-          ("pipemare", "timeprest", {}, 3, 1),
+          pytest.param("pipemare", "timeprest", {}, 3, 1,
+                       marks=pytest.mark.slow),
           ("pipemare", "pipedream", _NO_STASH, 3, 2)]
 
 

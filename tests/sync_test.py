@@ -92,7 +92,8 @@ def test_executor_and_observed_staleness_equal_the_oracle(name, policy):
   assert spread > 1e-3  # replicas really differ: this is not BSP in disguise
 
 
-@pytest.mark.parametrize("clock_distance,concurrent", [(0, 4), (1, 2), (2, 3)])
+@pytest.mark.parametrize("clock_distance,concurrent", [
+    pytest.param(0, 4, marks=pytest.mark.slow), (1, 2), (2, 3)])
 def test_wsp_observed_staleness_reaches_but_never_exceeds_s_global(
     clock_distance, concurrent):
   S4, n = 4, 2
