@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 Flat = dict[str, jax.Array]  # dtype name -> [L] (one stage) or [..., L]
+Pieces = dict[str, Any]  # a layout's parts of a Flat, one shape on all stages
 
 
 class _Layout:
@@ -61,6 +62,13 @@ class Packing(_Layout):
       self.treedefs.append(treedef)
       self.slots.append(slots)
     self.lengths = {k: max(totals[k], 1) for k in sorted(totals)}
+    # Every stage's leaf boundaries, per dtype: between two neighbours each
+    # stage has (part of) one leaf or padding.
+    cuts = {k: {0, n} for k, n in self.lengths.items()}
+    for slots in self.slots:
+      for dtype, offset, shape in slots:
+        cuts[dtype] |= {offset, offset + int(np.prod(shape, dtype=np.int64))}
+    self.cuts = {k: sorted(v) for k, v in cuts.items()}
 
   @property
   def row_bytes(self) -> int:
@@ -78,6 +86,37 @@ class Packing(_Layout):
              else jnp.zeros((0,), dtype))
       flat[dtype] = jnp.pad(vec, (0, length - vec.shape[0]))
     return flat
+
+  def pieces(self, stage: int, tree: Any) -> Pieces:
+    """Stage `stage`'s pytree cut at every stage's leaf boundaries (traceable):
+    `join(pieces(s, t)) == pack(s, t)`, and the pieces have one shape on
+    every stage.
+
+    A weight gradient leaves its task's conditional as pieces and is joined
+    where it is added to the accumulator, in one fused pass: packed inside
+    the branch, it would be written once more, by a concatenate that XLA:CPU
+    spreads over the intra-op pool (docs/executor.md). Where the stages
+    share a structure each piece is a whole leaf, raveled in place.
+    """
+    pieces = {}
+    for dtype, cuts in self.cuts.items():
+      leaves = [(offset, jnp.ravel(leaf).astype(dtype)) for leaf, (d, offset, _)
+                in zip(jax.tree.leaves(tree), self.slots[stage]) if d == dtype]
+      row = []
+      for start, stop in zip(cuts[:-1], cuts[1:]):
+        piece = jnp.zeros((stop - start,), dtype)
+        for offset, vec in leaves:
+          if offset <= start and stop <= offset + vec.shape[0]:
+            piece = (vec if vec.shape[0] == stop - start else
+                     jax.lax.slice(vec, (start - offset,), (stop - offset,)))
+        row.append(piece)
+      pieces[dtype] = tuple(row)
+    return pieces
+
+  def join(self, pieces: Pieces) -> Flat:
+    """`pieces` as the packed row `pack` would give (traceable)."""
+    return {k: v[0] if len(v) == 1 else jnp.concatenate(v)
+            for k, v in pieces.items()}
 
   def unpack(self, stage: int, flat: Flat) -> Any:
     """The inverse of `pack` for stage `stage` (traceable)."""
@@ -130,6 +169,13 @@ class Stacking(_Layout):
     del stage
     return dict(zip(self.keys, (jnp.asarray(v, s.dtype) for v, s in
                                 zip(jax.tree.leaves(tree), self.shapes))))
+
+  def pieces(self, stage: int, tree: Any) -> Pieces:
+    """`Packing.pieces`' interface: the leaves themselves."""
+    return self.pack(stage, tree)
+
+  def join(self, pieces: Pieces) -> Flat:
+    return pieces
 
   def unpack(self, stage: int, flat: Flat) -> Any:
     del stage

@@ -293,7 +293,7 @@ def backward(ctx: Stages, s: int, kind: kinds_lib.TaskKind, carry: TickCarry,
   if op_cots is not None and kinds_lib.WEIGHT_GRADIENT not in kind.produces:
     out = out._replace(op_cotangents=ctx.split.packing.pack(s, op_cots),
                        op_cotangents_slot=slot_of(ctx, instr, window))
-  return carry, out, None if grads is None else ctx.params.pack(s, grads)
+  return carry, out, None if grads is None else ctx.params.pieces(s, grads)
 
 
 def run_task(ctx: Stages, s: int, kind: kinds_lib.TaskKind, carry: TickCarry,
@@ -319,8 +319,8 @@ def run_tasks(ctx: Stages, carry: TickCarry, instr, window: Window):
   two-way `cond`: the kinds that produce a weight gradient, and the rest.
 
   Neither group's branches take or return the gradient accumulator: the
-  first returns the task's packed gradient, which is added outside its
-  branches, and the second leaves the accumulator to the `cond`, whose
+  first returns the task's gradient in pieces (`Packing.pieces`), which are
+  joined and added outside its branches in one fused pass, and the second leaves the accumulator to the `cond`, whose
   other branch passes it through. XLA:CPU copies, in every branch of a
   multi-way conditional that passes a buffer through, each buffer that
   another branch changes; a two-way `cond` copies nothing when its
@@ -332,7 +332,8 @@ def run_tasks(ctx: Stages, carry: TickCarry, instr, window: Window):
   adds = [c for c, k in enumerate(kinds, start=1)
           if kinds_lib.WEIGHT_GRADIENT in k.produces]
   rest = [c for c in range(1, len(kinds) + 1) if c not in adds]
-  zeros = jax.tree.map(lambda g: jnp.zeros(g.shape, g.dtype), carry.grads)
+  zeros = jax.tree.map(lambda g: jnp.zeros(g.shape, g.dtype), jax.eval_shape(
+      lambda: ctx.params.pieces(0, ctx.params.trees[0])))
 
   def group(codes, c, gradient):
     # Code 0 (idle) stays first in each group, as every lowering expects.
@@ -347,7 +348,7 @@ def run_tasks(ctx: Stages, carry: TickCarry, instr, window: Window):
   def adding(c):
     done, output, gradient = group(
         adds, c, lambda d, o, g: (d, o, zeros if g is None else g))
-    grads = jax.tree.map(jnp.add, accumulated(c), gradient)
+    grads = jax.tree.map(jnp.add, accumulated(c), ctx.params.join(gradient))
     return done._replace(grads=grads, grads_spent=jnp.zeros((), bool)), output
 
   def not_adding(c):
