@@ -135,8 +135,8 @@ class Pipeline:
       held per stage (`packing.LAYOUTS`): "packed" (one flat vector per dtype,
       any stages) or "stacked" (each leaf in its own shape, for stages of one
       structure: a task reads its weights in place and a backward adds leaf
-      by leaf; zb-h1 with residuals 0.73x the MaxText-style baseline's
-      step against 0.91x packed on 8 emulated CPU devices,
+      by leaf; zb-h1 with residuals 0.75x the MaxText-style baseline's
+      step against 0.83x packed on 8 emulated CPU devices,
       docs/executor.md).
 
   Examples:
