@@ -83,9 +83,8 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("name", [
-    "gpipe", pytest.param("pipedream", marks=pytest.mark.slow),
-    pytest.param("hetpipe_wsp", marks=pytest.mark.slow)])
+@pytest.mark.slow  # subprocesses, about 10 s each
+@pytest.mark.parametrize("name", ["gpipe", "pipedream", "hetpipe_wsp"])
 def test_sigterm_then_resume_equals_straight_run(tmp_path, name):
   straight, stopped = tmp_path / "straight", tmp_path / "stopped"
   trainer.train_and_evaluate(CASES[name](), str(straight))

@@ -42,11 +42,10 @@ _SPECS = [
 ]
 
 
-# BSP stays in the quick suite; WSP and SDPipe (about 14 s each) run with
-# the slow tests.
-@pytest.mark.parametrize("spec", [
-    _SPECS[0], *(pytest.param(s, marks=pytest.mark.slow) for s in _SPECS[1:])],
-    ids=lambda s: s["sync"])
+# Two processes each (about 14 s a spec): with the slow tests, to keep the
+# quick suite under 5 minutes on 2 cores.
+@pytest.mark.slow
+@pytest.mark.parametrize("spec", _SPECS, ids=lambda s: s["sync"])
 def test_two_processes_match_one(tmp_path, spec):
   args = (json.dumps(spec),)
   one = _run(1, tmp_path / "one.npz", *args)
