@@ -175,6 +175,7 @@ class Stacking(_Layout):
     return self.pack(stage, tree)
 
   def join(self, pieces: Pieces) -> Flat:
+    """The leaves are the layout's keys already."""
     return pieces
 
   def unpack(self, stage: int, flat: Flat) -> Any:

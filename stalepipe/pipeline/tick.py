@@ -320,12 +320,13 @@ def run_tasks(ctx: Stages, carry: TickCarry, instr, window: Window):
 
   Neither group's branches take or return the gradient accumulator: the
   first returns the task's gradient in pieces (`Packing.pieces`), which are
-  joined and added outside its branches in one fused pass, and the second leaves the accumulator to the `cond`, whose
-  other branch passes it through. XLA:CPU copies, in every branch of a
-  multi-way conditional that passes a buffer through, each buffer that
-  another branch changes; a two-way `cond` copies nothing when its
-  changing branch updates the buffer elementwise. So no tick copies the
-  accumulator (2 MB per stage of the benchmarks' MLP).
+  joined and added outside its branches in one fused pass, and the second
+  leaves the accumulator to the `cond`, whose other branch passes it
+  through. XLA:CPU copies, in every branch of a multi-way conditional that
+  passes a buffer through, each buffer that another branch changes; a
+  two-way `cond` copies nothing when its changing branch updates the buffer
+  elementwise. So no tick copies the accumulator (2 MB per stage of the
+  benchmarks' MLP), and no branch packs a copy of the gradient.
   """
   branches = task_branches(ctx)
   kinds = [kinds_lib.kind(name) for name in ctx.program.kinds]
