@@ -16,7 +16,7 @@ from stalepipe.sync.base import SyncPolicy, UpdateEvent, coordinate, group_mixin
 from stalepipe.sync.bsp import BSP, bsp
 from stalepipe.sync.gossip import ADPSGD, LocalSGD, ad_psgd, local_sgd
 from stalepipe.sync.sdpipe import SDPipe, sdpipe
-from stalepipe.sync.staleness import observed_staleness
+from stalepipe.sync.staleness import ObservedStaleness, observed_staleness
 from stalepipe.sync.wsp import WSP, WSPState, wsp
 
 _REGISTRY = {"bsp": bsp, "wsp": wsp, "sdpipe": sdpipe, "ad_psgd": ad_psgd,

@@ -243,7 +243,7 @@ def _loop(config, workdir, pipe, state, first, resumed, batch, ckpt, writer,
   examples_per_step = M * D * b
   static = {"bubble": schedule.bubble_fraction}
   # [replicas, minibatches]: what each forward missed, sync policy included.
-  observed = sync_lib.observed_staleness(schedule, pipe.sync, num_windows * B)
+  observed = sync_lib.ObservedStaleness(schedule, pipe.sync, num_windows * B)
 
   def check(window, step_metrics):
     """Stops on a NaN/inf loss; the broken state is never saved."""
