@@ -24,7 +24,6 @@ import faulthandler
 import importlib.util
 import logging as py_logging
 import os
-import signal
 import sys
 import threading
 
@@ -386,11 +385,8 @@ def _supervise(argv) -> None:
       "SLURM_PROCID", os.environ.get("OMPI_COMM_WORLD_RANK", "?")))
   count = named.get("--num_processes", os.environ.get(
       "SLURM_NTASKS", os.environ.get("OMPI_COMM_WORLD_SIZE", "?")))
-  code = supervise.run([sys.executable, *argv], f"process {me} of {count}")
-  if code < 0:  # end as the child ended: by its signal
-    signal.signal(-code, signal.SIG_DFL)
-    os.kill(os.getpid(), -code)
-  sys.exit(code)
+  supervise.exit_as(
+      supervise.run([sys.executable, *argv], f"process {me} of {count}"))
 
 
 if __name__ == "__main__":

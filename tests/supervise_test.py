@@ -177,3 +177,19 @@ def test_a_signal_to_the_process_group_reaches_the_child_once(tmp_path):
     time.sleep(0.05)
   os.killpg(parent.pid, signal.SIGINT)
   assert parent.wait(timeout=30) == 11
+
+
+@pytest.mark.parametrize("code", [0, 3, -signal.SIGTERM, -signal.SIGKILL])
+def test_the_parent_ends_as_its_child_did_even_by_sigkill(code):
+  """A child the out-of-memory killer took ends in SIGKILL, which no handler
+  can be set for: the parent ends by it too, without a traceback."""
+  # By path, as launch.py loads it: no JAX import.
+  program = textwrap.dedent(f"""
+      import importlib.util
+      spec = importlib.util.spec_from_file_location("s", {supervise.__file__!r})
+      module = importlib.util.module_from_spec(spec)
+      spec.loader.exec_module(module)
+      module.exit_as({code})""")
+  result = subprocess.run([sys.executable, "-c", program], capture_output=True,
+                          text=True, timeout=60)
+  assert result.returncode == code and result.stderr == "", result.stderr

@@ -81,6 +81,19 @@ def die_with_parent() -> None:
     os._exit(1)  # pylint: disable=protected-access
 
 
+def exit_as(code: int) -> None:
+  """Ends this process as the child ended: with its exit code, or by its
+  signal (negative `code`), also one no handler can take (SIGKILL, e.g. from
+  the kernel's out-of-memory killer)."""
+  if code < 0:
+    try:
+      signal.signal(-code, signal.SIG_DFL)
+    except (OSError, ValueError):
+      pass  # SIGKILL and SIGSTOP keep their default action anyway
+    os.kill(os.getpid(), -code)
+  sys.exit(code)
+
+
 def run(argv: Sequence[str], me: str,
         write: Callable[[str], None] | None = None) -> int:
   """Runs `argv` as the supervised child; returns its exit code (negative:
