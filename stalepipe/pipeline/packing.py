@@ -7,6 +7,7 @@ become per-dtype arrays `[S, L]` sharded over the 'stage' axis. Each stage
 unpacks only its own row, with its own static layout.
 """
 
+import bisect
 from typing import Any, Sequence
 
 import jax
@@ -100,15 +101,19 @@ class Packing(_Layout):
     """
     pieces = {}
     for dtype, cuts in self.cuts.items():
+      # This stage's leaves of `dtype`, in increasing offsets (as laid out).
       leaves = [(offset, jnp.ravel(leaf).astype(dtype)) for leaf, (d, offset, _)
                 in zip(jax.tree.leaves(tree), self.slots[stage]) if d == dtype]
+      offsets = [offset for offset, _ in leaves]
       row = []
       for start, stop in zip(cuts[:-1], cuts[1:]):
-        piece = jnp.zeros((stop - start,), dtype)
-        for offset, vec in leaves:
-          if offset <= start and stop <= offset + vec.shape[0]:
-            piece = (vec if vec.shape[0] == stop - start else
-                     jax.lax.slice(vec, (start - offset,), (stop - offset,)))
+        i = bisect.bisect_right(offsets, start) - 1  # the leaf starting last
+        offset, vec = leaves[i] if i >= 0 else (0, jnp.zeros((0,), dtype))
+        if stop <= offset + vec.shape[0]:
+          piece = (vec if vec.shape[0] == stop - start else
+                   jax.lax.slice(vec, (start - offset,), (stop - offset,)))
+        else:  # padding past this stage's leaves
+          piece = jnp.zeros((stop - start,), dtype)
         row.append(piece)
       pieces[dtype] = tuple(row)
     return pieces

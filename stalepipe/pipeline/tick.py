@@ -268,12 +268,12 @@ def gradients(ctx: Stages, s: int, kind: kinds_lib.TaskKind, carry: TickCarry,
 
 def backward(ctx: Stages, s: int, kind: kinds_lib.TaskKind, carry: TickCarry,
              instr, window: Window):
-  """A task that produces gradients: the weight gradient (packed; the
-  caller adds it to the minibatch's, `run_tasks`) and the input's cotangent
-  to send back, as far as its kind produces them (nF1B: for every
-  micro-batch of the minibatch); BI of a split backward keeps the weight
-  ops' output cotangents for BW. Returns (carry, output, packed weight
-  gradient or None)."""
+  """A task that produces gradients: the weight gradient (in pieces,
+  `Packing.pieces`; the caller adds it to the minibatch's, `run_tasks`) and
+  the input's cotangent to send back, as far as its kind produces them
+  (nF1B: for every micro-batch of the minibatch); BI of a split backward
+  keeps the weight ops' output cotangents for BW. Returns (carry, output,
+  the weight gradient's pieces or None)."""
   weights = task_weights(ctx, s, carry, instr)
   grads, sends, losses = None, [], jnp.zeros((), jnp.float32)
   for w in range(ctx.program.backward_width):
@@ -299,7 +299,7 @@ def backward(ctx: Stages, s: int, kind: kinds_lib.TaskKind, carry: TickCarry,
 def run_task(ctx: Stages, s: int, kind: kinds_lib.TaskKind, carry: TickCarry,
              instr, window: Window):
   """Stage s runs a task of `kind`, as the kind declares: (carry, output,
-  packed weight gradient or None)."""
+  the weight gradient's pieces or None)."""
   if kind.runs_backward:
     return backward(ctx, s, kind, carry, instr, window)
   return (*forward(ctx, s, carry, instr, window), None)

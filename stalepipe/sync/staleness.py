@@ -113,7 +113,7 @@ class ObservedStaleness:
     """`[replicas, minibatches]` rows and columns, as a NumPy slice; columns
     must be a slice with an explicit stop."""
     rows, cols = index
-    if cols.stop > self.built:
+    if min(cols.stop, self.num_minibatches) > self.built:
       n = max(self._first, self.built)
       while n < cols.stop:
         n *= 2
