@@ -41,11 +41,13 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from stalepipe import sync as sync_lib
+from stalepipe.pipeline import boundary as boundary_lib
 from stalepipe.pipeline import contract
 from stalepipe.pipeline import dispatch
 from stalepipe.pipeline import packing
 from stalepipe.pipeline import program as program_lib
 from stalepipe.pipeline import residuals as residuals_lib
+from stalepipe.pipeline import scope as scope_lib
 from stalepipe.pipeline import split_backward as split_lib
 from stalepipe.pipeline import tick as tick_lib
 from stalepipe.pipeline.state import (Buffers, InputHistory, PipelineState,
@@ -78,7 +80,8 @@ def run_window(ctx: tick_lib.Stages, state: PipelineState, inputs, targets,
   H, B = ctx.program.history, ctx.window_minibatches
   C, K = ctx.program.num_slots, ctx.program.tables.kind.shape[0]
   step = state.step
-  past = lambda kept, now: now if kept is None else jnp.concatenate([kept, now])  # pylint: disable=unnecessary-lambda-assignment
+  past = lambda kept, now: now if kept is None else jax.tree.map(  # pylint: disable=unnecessary-lambda-assignment
+      lambda k, n: jnp.concatenate([k, n]), kept, now)
   window = tick_lib.Window(
       inputs=past(state.history.inputs, inputs),
       targets=past(state.history.targets, targets), plan=plan,
@@ -97,13 +100,13 @@ def run_window(ctx: tick_lib.Stages, state: PipelineState, inputs, targets,
   num_losses = jax.lax.psum(carry.num_losses, STAGE)
   loss = jax.lax.pmean(jax.lax.psum(carry.loss_sum, STAGE), DATA) / jnp.where(
       num_losses > 0, num_losses, jnp.nan)
-  keep = window.inputs.shape[0] - H * B
+  keep = lambda tree: None if H == 0 else jax.tree.map(  # pylint: disable=unnecessary-lambda-assignment
+      lambda x: x[x.shape[0] - H * B:], tree)
   new = PipelineState(
       ring=unlocal(carry.ring), opt_state=unlocal(carry.opt_state),
       grads=unlocal(tick_lib.accumulated(carry)),
       buffers=unlocal(carry.buffers),
-      history=InputHistory(*[None if H == 0 else x[keep:]
-                             for x in (window.inputs, window.targets)]),
+      history=InputHistory(keep(window.inputs), keep(window.targets)),
       sync=unlocal(carry.sync), step=step + 1)
   return new, loss, num_losses
 
@@ -138,6 +141,12 @@ class Pipeline:
       by leaf; zb-h1 with residuals 0.75x the MaxText-style baseline's
       step against 0.83x packed on 8 emulated CPU devices,
       docs/executor.md).
+    optimizer_scope: what the update rule steps on (`scope.py`): "model"
+      (all stages' trees together, each minibatch's update applied on every
+      stage at one tick; equals unpipelined training; refused on schedules
+      that cannot), "stage" (each stage's own tree), or "auto" (default:
+      "model" where the rule couples stages, e.g. global-norm clipping or
+      full delay compensation, else "stage").
 
   Examples:
     >>> import jax, optax, stalepipe as sp
@@ -155,7 +164,7 @@ class Pipeline:
                schedule: Schedule, optimizer: optax.GradientTransformation,
                mesh: Mesh, sync: sync_lib.SyncPolicy | None = None,
                lowering: str = "nested_switch", remat: str = "recompute",
-               layout: str = "packed"):
+               layout: str = "packed", optimizer_scope: str = "auto"):
     if tuple(mesh.axis_names) != (DATA, STAGE):
       raise ValueError(f"mesh axes {tuple(mesh.axis_names)} are invalid; "
                        f"valid: ({DATA!r}, {STAGE!r})")
@@ -165,6 +174,10 @@ class Pipeline:
     sync = sync or sync_lib.bsp(mesh.shape[DATA])
     contract.check(stage_fns, schedule, optimizer, sync, mesh.shape[DATA])
     residuals_lib.check(remat, schedule, optimizer)
+    self.optimizer_scope = scope_lib.resolve(optimizer_scope, optimizer,
+                                             schedule)
+    if self.optimizer_scope == "model":
+      schedule = schedule.together()
     self.remat = remat
     self.layout = packing.get(layout)
     self.stage_fns = tuple(stage_fns)
@@ -190,13 +203,18 @@ class Pipeline:
     return jax.make_array_from_callback(x.shape, NamedSharding(self.mesh, spec),
                                         lambda index: x[index])
 
-  def place(self, x) -> jax.Array:
-    """Inputs or targets `[B, M, D_local * b, ...]` as the mesh-wide array
-    (each process passes its own replicas' slice)."""
+  def place(self, x):
+    """Inputs or targets `[B, M, D_local * b, ...]` (a pytree of such
+    arrays) as mesh-wide arrays (each process passes its own replicas'
+    slice)."""
     sharding = NamedSharding(self.mesh, _WINDOW)
-    if isinstance(x, jax.Array) and x.sharding == sharding:
-      return x
-    return jax.make_array_from_process_local_data(sharding, np.asarray(x))
+
+    def put(v):
+      if isinstance(v, jax.Array) and v.sharding == sharding:
+        return v
+      return jax.make_array_from_process_local_data(sharding, np.asarray(v))
+
+    return jax.tree.map(put, x)
 
   def _fetch(self, x) -> np.ndarray:
     """The whole of a mesh-wide array, on every process."""
@@ -216,7 +234,8 @@ class Pipeline:
       raise ValueError(f"{len(stage_params)} stage parameter trees do not fit "
                        f"{len(self.stage_fns)} stages; valid: "
                        f"{len(self.stage_fns)}")
-    opt_states = [self.optimizer.init(p) for p in stage_params]
+    opt_states = scope_lib.init_states(self.optimizer, self.optimizer_scope,
+                                       stage_params)
     self._param_packing = self.layout(stage_params)
     self._opt_packing = self.layout(opt_states)
     S, R = len(self.stage_fns), self.program.num_versions
@@ -267,11 +286,15 @@ class Pipeline:
     local_replicas = sum(  # replica rows holding a device of this process
         any(d.process_index == jax.process_index() for d in row)
         for row in self.mesh.devices)
-    for name, array in (("inputs", inputs), ("targets", targets)):
-      if np.shape(array)[:2] != (B, M) or np.shape(array)[2] % local_replicas:
-        raise ValueError(
-            f"{name} shape {np.shape(array)} is invalid; valid: [{B}, {M}, "
-            f"a multiple of {local_replicas} data replicas, ...]")
+    for name, tree in (("inputs", inputs), ("targets", targets)):
+      shapes = [np.shape(v) for v in jax.tree.leaves(tree)]
+      for shape in shapes:
+        if (len(shape) < 3 or shape[:2] != (B, M)
+            or shape[2] % local_replicas or shape[2] != shapes[0][2]):
+          raise ValueError(
+              f"{name} shape {shape} is invalid; valid: [{B}, {M}, a "
+              f"multiple of {local_replicas} data replicas (the same for "
+              "every leaf), ...]")
 
   def arguments(self, state: PipelineState, inputs, targets) -> tuple:
     """The window step's arguments, placed on the mesh: `(state, inputs,
@@ -288,7 +311,8 @@ class Pipeline:
     return state, inputs, targets, self._tables, self._sync_plan(state)
 
   def _step_fn(self, inputs, targets) -> Callable:
-    key = (inputs.shape, inputs.dtype, targets.shape, targets.dtype)
+    key = jax.tree.structure((inputs, targets)), tuple(
+        (v.shape, v.dtype) for v in jax.tree.leaves((inputs, targets)))
     if key not in self._steps:
       self._steps[key] = self._build_step(inputs, targets)
     return self._steps[key]
@@ -336,16 +360,13 @@ class Pipeline:
 
   def _stages(self, inputs, targets) -> tick_lib.Stages:
     """What the tick functions know statically, for windows of this shape."""
-    b = inputs.shape[2] // self.num_replicas
-    x = jax.ShapeDtypeStruct((b,) + inputs.shape[3:], inputs.dtype)
-    stage_inputs = [x]
+    micro = lambda tree: jax.tree.map(  # pylint: disable=unnecessary-lambda-assignment
+        lambda v: jax.ShapeDtypeStruct(
+            (v.shape[2] // self.num_replicas,) + v.shape[3:], v.dtype), tree)
+    stage_inputs = [micro(inputs)]
     for fn, params in zip(self.stage_fns[:-1], self._param_packing.trees):
       stage_inputs.append(jax.eval_shape(fn, params, stage_inputs[-1]))
-    boundary = stage_inputs[1:]
-    width = max([int(np.prod(s.shape[1:])) for s in boundary] + [1])
-    dtype = (jnp.result_type(*[s.dtype for s in boundary]) if boundary
-             else jnp.float32)
-    target = jax.ShapeDtypeStruct((b,) + targets.shape[3:], targets.dtype)
+    target = micro(targets)
     split, forwards = self._forwards(stage_inputs, target)
     layout = None
     if self.remat == "residuals":
@@ -354,12 +375,13 @@ class Pipeline:
     return tick_lib.Stages(
         fns=self.stage_fns, loss_fn=self.loss_fn, params=self._param_packing,
         opt=self._opt_packing, optimizer=self.optimizer, sync=self.sync,
-        program=self.program, boundary=tuple(boundary),
-        buffer_shape=(b, width), buffer_dtype=dtype,
+        program=self.program,
+        boundaries=boundary_lib.analyse(stage_inputs),
         num_microbatches=self.schedule.num_microbatches,
         window_minibatches=self.schedule.num_minibatches,
         lowering=self.lowering, residuals=layout, forwards=forwards,
-        split=split, stale_schedule=self._stale_schedule)
+        split=split, stale_schedule=self._stale_schedule,
+        whole_model=self.optimizer_scope == "model")
 
   def _forwards(self, stage_inputs, target) -> tuple:
     """The split backward's layout (None unless remat="residuals" on a
@@ -383,16 +405,17 @@ class Pipeline:
     """Zero activation buffers and input history, on first use."""
     ctx = self._stages(inputs, targets)
     D, S, C = self.num_replicas, len(self.stage_fns), self.program.num_slots
-    zeros = lambda shape, dtype: self._put(  # pylint: disable=unnecessary-lambda-assignment
-        np.zeros((D, S, C + 1) + shape, dtype), _PER_DEVICE)  # + scratch
-    kept = lambda layout: {} if layout is None else {  # pylint: disable=unnecessary-lambda-assignment
-        k: zeros((n,), k) for k, n in layout.packing.lengths.items()}
+    rows = lambda lengths: {k: self._put(  # pylint: disable=unnecessary-lambda-assignment
+        np.zeros((D, S, C + 1, n), k), _PER_DEVICE)  # + scratch
+                            for k, n in lengths.items()}
+    kept = lambda layout: {} if layout is None else rows(layout.packing.lengths)  # pylint: disable=unnecessary-lambda-assignment
     H, B = self.program.history, self.schedule.num_minibatches
-    past = lambda x: None if H == 0 else self._put(  # pylint: disable=unnecessary-lambda-assignment
-        np.zeros((H * B,) + x.shape[1:], x.dtype), _WINDOW)
+    past = lambda tree: None if H == 0 else jax.tree.map(  # pylint: disable=unnecessary-lambda-assignment
+        lambda x: self._put(np.zeros((H * B,) + x.shape[1:], x.dtype),
+                            _WINDOW), tree)
     return state._replace(
-        buffers=Buffers(zeros(ctx.buffer_shape, ctx.buffer_dtype),
-                        zeros(ctx.buffer_shape, ctx.buffer_dtype),
+        buffers=Buffers(rows(ctx.boundaries.acts.lengths),
+                        rows(ctx.boundaries.cots.lengths),
                         kept(ctx.residuals), kept(ctx.split)),
         history=InputHistory(past(inputs), past(targets)))
 
@@ -404,7 +427,9 @@ class Pipeline:
     def step_fn(state, inputs, targets, tables, plan):
       mapped = jax.shard_map(
           functools.partial(run_window, ctx), mesh=self.mesh,
-          in_specs=(state_specs(state), _WINDOW, _WINDOW,
+          in_specs=(state_specs(state),
+                    jax.tree.map(lambda _: _WINDOW, inputs),
+                    jax.tree.map(lambda _: _WINDOW, targets),
                     jax.tree.map(lambda _: P(), tables),
                     jax.tree.map(lambda _: P(), plan)),
           out_specs=(state_specs(state), P(), P()), check_vma=False)

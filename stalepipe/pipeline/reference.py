@@ -28,6 +28,7 @@ import optax
 
 from stalepipe import sync as sync_lib
 from stalepipe.pipeline import contract
+from stalepipe.pipeline import scope as scope_lib
 from stalepipe.schedules import Schedule
 from stalepipe.schedules import kinds as kinds_lib
 
@@ -36,6 +37,10 @@ _AXIS = "data"
 
 def _stack(trees):
   return jax.tree.map(lambda *x: jnp.stack(x), *trees)
+
+
+def _item(tree, m):
+  return jax.tree.map(lambda v: v[m], tree)
 
 
 def _unstack(tree, num):
@@ -70,13 +75,20 @@ class Pipeline:
       (with the extra arguments and `predict` of `contract.py`).
     num_replicas: D, data replicas; each takes its own 1/D of a micro-batch.
     sync: the sync policy across replicas; default BSP.
+    optimizer_scope: "model", "stage" or "auto", as the executor's
+      (`scope.py`).
   """
 
   def __init__(self, stage_fns: Sequence[Callable], loss_fn: Callable,
                schedule: Schedule, optimizer: optax.GradientTransformation,
-               num_replicas: int = 1, sync: sync_lib.SyncPolicy | None = None):
+               num_replicas: int = 1, sync: sync_lib.SyncPolicy | None = None,
+               optimizer_scope: str = "auto"):
     sync = sync or sync_lib.bsp(num_replicas)
     contract.check(stage_fns, schedule, optimizer, sync, num_replicas)
+    self.optimizer_scope = scope_lib.resolve(optimizer_scope, optimizer,
+                                             schedule)
+    if self.optimizer_scope == "model":
+      schedule = schedule.together()
     self.stage_fns = tuple(stage_fns)
     self.loss_fn = loss_fn
     self.schedule = schedule
@@ -96,13 +108,15 @@ class Pipeline:
   def init(self, stage_params: Sequence[Any]) -> ReferenceState:
     """Version 0 of every stage on every replica, and fresh optimizer states."""
     D = self.num_replicas
+    opt_states = scope_lib.init_states(self.optimizer, self.optimizer_scope,
+                                       stage_params)
     return ReferenceState(
         versions={(d, s): (p,) for d in range(D)
                   for s, p in enumerate(stage_params)},
         provenance={(d, s): (frozenset(),) for d in range(D)
                     for s in range(len(stage_params))},
-        opt_states={(d, s): self.optimizer.init(p) for d in range(D)
-                    for s, p in enumerate(stage_params)},
+        opt_states={(d, s): opt_states[s] for d in range(D)
+                    for s in range(len(stage_params))},
         grads={}, acts={}, cots={},
         sync_states={s: jax.vmap(self.sync.init_state)(_stack([p] * D))
                      for s, p in enumerate(stage_params)},
@@ -118,33 +132,41 @@ class Pipeline:
     that of minibatch (k+1)B, in the schedule over an endless stream."""
     B, M = self.schedule.num_minibatches, self.schedule.num_microbatches
     D, k = self.num_replicas, state.window
-    if np.shape(inputs)[2] % D:
-      raise ValueError(f"inputs shape {np.shape(inputs)} is invalid; valid: "
-                       f"[{B}, {M}, a multiple of {D} data replicas, ...]")
+    for shape in [np.shape(v) for v in jax.tree.leaves((inputs, targets))]:
+      if len(shape) < 3 or shape[:2] != (B, M) or shape[2] % D:
+        raise ValueError(f"inputs shape {shape} is invalid; valid: "
+                         f"[{B}, {M}, a multiple of {D} data replicas, ...]")
     stream = self.schedule.with_minibatches((k + 2) * B)
     w = _Scratch(
-        stream=stream, n=np.shape(inputs)[2] // D,
+        stream=stream,
         versions={key: list(v) for key, v in state.versions.items()},
         provenance={key: list(v) for key, v in state.provenance.items()},
         opt_states=dict(state.opt_states), grads=dict(state.grads),
         acts=dict(state.acts), cots=dict(state.cots),
         sync_states=dict(state.sync_states), inputs=dict(state.inputs),
-        targets=dict(state.targets))
+        targets=dict(state.targets),
+        n=np.shape(jax.tree.leaves(inputs)[0])[2] // D)
     for i in range(B):
-      w.inputs[k * B + i] = jnp.asarray(inputs[i])
-      w.targets[k * B + i] = jnp.asarray(targets[i])
+      w.inputs[k * B + i] = jax.tree.map(lambda v: jnp.asarray(v[i]), inputs)  # pylint: disable=cell-var-from-loop
+      w.targets[k * B + i] = jax.tree.map(lambda v: jnp.asarray(v[i]),  # pylint: disable=cell-var-from-loop
+                                          targets)
     first = {t.minibatch: t.tick for t in stream.tasks
              if t.stage == 0 and stream.kind(t).runs_forward
              and t.microbatch == 0}
     updates_at = {}
-    for (s, p), u in stream.update_ticks.items():
+    for (s, p), u in sorted(stream.update_ticks.items()):
       updates_at.setdefault(u, []).append((s, p))
     for tick in range(first[k * B], first[(k + 1) * B]):
       for t in (t for t in stream.tasks if t.tick == tick):
         for d in range(D):
           self._run_task(w, t, d)
-      for s, p in updates_at.get(tick, ()):
-        self._run_update(w, s, p)
+      due = updates_at.get(tick, ())
+      if self.optimizer_scope == "model":
+        for p in sorted({p for _, p in due}):
+          self._run_update(w, p)
+      else:
+        for s, p in due:
+          self._run_update(w, p, (s,))
     state = ReferenceState(
         versions={key: tuple(v) for key, v in w.versions.items()},
         provenance={key: tuple(v) for key, v in w.provenance.items()},
@@ -181,8 +203,9 @@ class Pipeline:
     if kind.runs_forward:
       self._observe(w, t, d)
     for m in w.stream.covered_microbatches(t):
-      x = w.part(w.inputs[p], d)[m] if s == 0 else w.acts[(d, s, p, m)]
-      target = w.part(w.targets[p], d)[m]
+      x = (_item(w.part(w.inputs[p], d), m) if s == 0
+           else w.acts[(d, s, p, m)])
+      target = _item(w.part(w.targets[p], d), m)
       if not kind.runs_backward:
         y = fn(weights, x)
         if last:
@@ -192,10 +215,9 @@ class Pipeline:
         continue
       if last:
         objective = lambda v, x: self.loss_fn(fn(v, x), target) / M  # pylint: disable=cell-var-from-loop
-        if s == 0:  # x may be integer (token ids): no cotangent to send
-          loss, gw = jax.value_and_grad(objective)(weights, x)
-        else:
-          loss, (gw, gx) = jax.value_and_grad(objective, (0, 1))(weights, x)
+        # Integer leaves of x (token ids) get a float0 cotangent.
+        loss, (gw, gx) = jax.value_and_grad(objective, (0, 1),
+                                            allow_int=True)(weights, x)
         if kind.runs_forward:
           w.losses.append(loss * M)
       else:
@@ -208,33 +230,51 @@ class Pipeline:
       if s > 0 and kinds_lib.INPUT_COTANGENT in kind.produces:
         w.cots[(d, s - 1, p, m)] = gx
 
-  def _run_update(self, w: "_Scratch", s: int, p: int) -> None:
-    """Stage s's update of minibatch p on every replica, the sync policy's
-    functions around it (under `jax.vmap` over the replicas)."""
+  def _run_update(self, w: "_Scratch", p: int,
+                  stages: tuple[int, ...] | None = None) -> None:
+    """Minibatch p's update of `stages` on every replica, the sync policy's
+    functions around it (under `jax.vmap` over the replicas). With `stages`
+    None (optimizer_scope "model") the update rule steps once on the tuple
+    of all stages' trees; else on stage `stages[0]`'s tree alone."""
     D, stream = self.num_replicas, w.stream
-    own = [w.grads.pop((d, s, p)) for d in range(D)]
-    g = _unstack(self._reduce_gradient(_stack(own)), D)
-    current = [w.versions[(d, s)][-1] for d in range(D)]
-    new = []
+    whole = stages is None
+    stages = tuple(range(len(self.stage_fns))) if whole else stages
+    own, g = {}, {}
+    for s in stages:
+      grads = [w.grads.pop((d, s, p)) for d in range(D)]
+      reduced = _unstack(self._reduce_gradient(_stack(grads)), D)
+      for d in range(D):
+        own[(d, s)], g[(d, s)] = grads[d], reduced[d]
+    current = {(d, s): w.versions[(d, s)][-1] for d in range(D) for s in stages}
+    new = {}
     for d in range(D):
+      tree = lambda f: (tuple(f(s) for s in stages) if whole  # pylint: disable=unnecessary-lambda-assignment,cell-var-from-loop
+                        else f(stages[0]))
       kwargs = contract.extra_args(
           self.optimizer, self._stale_schedule,
-          stale_params=w.versions[(d, s)][stream.gradient_version(s, p)],
-          staleness=(stream.update_version(s, p)
-                     - stream.forward_version(s, p)),
-          local_updates=own[d])
-      upd, w.opt_states[(d, s)] = self.optimizer.update(
-          g[d], w.opt_states[(d, s)], current[d], **kwargs)
-      new.append(optax.apply_updates(current[d], upd))
-    plan = {k: jnp.asarray(v[0])
-            for k, v in self.sync.plan(p, 1, len(self.stage_fns)).items()}
-    new, w.sync_states[s] = self._after_update(
-        _stack(new), _stack(current), w.sync_states[s], jnp.arange(D),
-        sync_lib.UpdateEvent(p, s, None, plan))
-    seen = self._provenance(w, s, p)
-    for d, x in enumerate(_unstack(new, D)):
-      w.versions[(d, s)].append(x)
-      w.provenance[(d, s)].append(frozenset(seen[d]))
+          stale_params=tree(lambda s: w.versions[(d, s)][  # pylint: disable=cell-var-from-loop
+              stream.gradient_version(s, p)]),
+          staleness=(stream.update_version(stages[0], p)
+                     - stream.forward_version(stages[0], p)),
+          local_updates=tree(lambda s: own[(d, s)]))  # pylint: disable=cell-var-from-loop
+      upd, opt_state = self.optimizer.update(
+          tree(lambda s: g[(d, s)]), w.opt_states[(d, stages[0])],  # pylint: disable=cell-var-from-loop
+          tree(lambda s: current[(d, s)]), **kwargs)  # pylint: disable=cell-var-from-loop
+      applied = optax.apply_updates(tree(lambda s: current[(d, s)]), upd)  # pylint: disable=cell-var-from-loop
+      for i, s in enumerate(stages):
+        w.opt_states[(d, s)] = opt_state
+        new[(d, s)] = applied[i] if whole else applied
+    for s in stages:
+      plan = {k: jnp.asarray(v[0])
+              for k, v in self.sync.plan(p, 1, len(self.stage_fns)).items()}
+      versions, w.sync_states[s] = self._after_update(
+          _stack([new[(d, s)] for d in range(D)]),
+          _stack([current[(d, s)] for d in range(D)]), w.sync_states[s],
+          jnp.arange(D), sync_lib.UpdateEvent(p, s, None, plan))
+      seen = self._provenance(w, s, p)
+      for d, x in enumerate(_unstack(versions, D)):
+        w.versions[(d, s)].append(x)
+        w.provenance[(d, s)].append(frozenset(seen[d]))
 
   def _provenance(self, w: "_Scratch", s: int, p: int) -> list[set]:
     """Per replica, the (replica, minibatch) updates stage s's new version
@@ -260,7 +300,6 @@ class _Scratch:
   """One window's working copies of the oracle's state (mutable)."""
 
   stream: Schedule
-  n: int  # examples of a micro-batch per replica
   versions: dict
   provenance: dict
   opt_states: dict
@@ -270,10 +309,12 @@ class _Scratch:
   sync_states: dict
   inputs: dict
   targets: dict
+  n: int  # examples of a micro-batch per replica
   losses: list = dataclasses.field(default_factory=list)
   staleness: dict = dataclasses.field(default_factory=dict)  # minibatch ->
   #   most updates a forward of it missed
 
   def part(self, x, d: int):
-    """Replica d's slice of every micro-batch of `x` ([M, D * n, ...])."""
-    return x[:, d * self.n:(d + 1) * self.n]
+    """Replica d's slice of every micro-batch of `x` ([M, D * n, ...] each
+    leaf)."""
+    return jax.tree.map(lambda v: v[:, d * self.n:(d + 1) * self.n], x)

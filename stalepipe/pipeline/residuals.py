@@ -86,7 +86,8 @@ def analyse(forwards: Sequence[Callable], params: Sequence[Any],
       _, kept = forward(p, x, t)
       leaves, found["treedef"] = jax.tree.flatten(kept)
       known = ([(WEIGHT, j, w) for j, w in enumerate(jax.tree.leaves(p))]
-               + [(INPUT, 0, x), (TARGET, 0, t)])
+               + [(INPUT, j, v) for j, v in enumerate(jax.tree.leaves(x))]
+               + [(TARGET, j, v) for j, v in enumerate(jax.tree.leaves(t))])
       found["sources"], found["stored"] = [], []
       for leaf in leaves:
         source = next(((kind, j) for kind, j, v in known if leaf is v), None)
@@ -115,7 +116,8 @@ def restore(layout: Layout, s: int, row: packing.Flat, weights, x, target):
   """What stage s's forward kept (its pullback), rebuilt from a slot's row
   and what is kept elsewhere (the weights, the input, the target)."""
   stored = layout.packing.unpack(s, row)
-  known = {WEIGHT: jax.tree.leaves(weights), INPUT: [x], TARGET: [target],
+  known = {WEIGHT: jax.tree.leaves(weights), INPUT: jax.tree.leaves(x),
+           TARGET: jax.tree.leaves(target),
            STORED: stored}
   leaves = [known[kind][j] for kind, j in layout.sources[s]]
   return jax.tree.unflatten(layout.treedefs[s], leaves)

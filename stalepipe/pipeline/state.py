@@ -25,8 +25,11 @@ class Buffers(NamedTuple):
   """Per stage, C slots of micro-batches between their tasks, and a scratch
   slot (index C) that ticks with nothing to file write instead."""
 
-  acts: jax.Array  # [D, S, C+1, b, A]: a stage's inputs, kept for backward
-  cots: jax.Array  # [D, S, C+1, b, A]: its output cotangents, until used
+  acts: packing.Flat  # dtype -> [D, S, C+1, A]: a stage's inputs (a
+  #   micro-batch's pytree, each leaf in its own dtype: `boundary.py`),
+  #   kept for backward
+  cots: packing.Flat  # dtype -> [D, S, C+1, A']: its output cotangents (the
+  #   inexact leaves), until used
   residuals: packing.Flat  # dtype -> [D, S, C+1, L_res]: the forward's
   #   residuals (`residuals.py`); empty with remat="recompute"
   op_cotangents: packing.Flat  # dtype -> [D, S, C+1, L_cot]: each weight
@@ -38,8 +41,8 @@ class InputHistory(NamedTuple):
   """Earlier windows' inputs that tasks of this window still read (None
   where no task does, H = 0: no zero-size arrays in a checkpoint)."""
 
-  inputs: jax.Array | None  # [H*B, M, D*b, ...]
-  targets: jax.Array | None  # [H*B, M, D*b, ...]
+  inputs: Any  # pytree of [H*B, M, D*b, ...], or None
+  targets: Any  # pytree of [H*B, M, D*b, ...], or None
 
 
 class PipelineState(NamedTuple):
@@ -62,7 +65,7 @@ class TickCarry(NamedTuple):
   grads: packing.Flat  # dtype -> [L]
   grads_spent: jax.Array  # bool []: an update consumed `grads`, which now
   #   reads as zero (`tick.accumulated`) until the next gradient overwrites it
-  buffers: Buffers  # [C, b, A] each
+  buffers: Buffers  # dtype -> [C+1, A] each
   sync: Any  # the policy's state for this stage and replica
   loss_sum: jax.Array  # float32 []: losses of micro-batches ended here
   num_losses: jax.Array  # int32 []

@@ -22,6 +22,7 @@ layouts, the optimizer and the sync policy); `Window` holds the values that
 are fixed for a window (its inputs, plan, and where this device sits).
 """
 
+import functools
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -30,6 +31,7 @@ import numpy as np
 import optax
 
 from stalepipe import sync as sync_lib
+from stalepipe.pipeline import boundary as boundary_lib
 from stalepipe.pipeline import contract
 from stalepipe.pipeline import packing
 from stalepipe.pipeline import program as program_lib
@@ -51,9 +53,8 @@ class Stages(NamedTuple):
   optimizer: Any  # optax transformation, maybe with `predict`
   sync: sync_lib.SyncPolicy
   program: program_lib.Program
-  boundary: tuple  # ShapeDtypeStruct of the inputs of stages 1..S-1
-  buffer_shape: tuple[int, int]  # (b, A): one buffer row
-  buffer_dtype: Any
+  boundaries: boundary_lib.Boundaries  # each stage's input and how its
+  #   leaves (and their cotangents) sit in buffer rows, per dtype
   num_microbatches: int  # M
   window_minibatches: int  # B
   lowering: Callable  # `dispatch.LOWERINGS` entry
@@ -63,6 +64,8 @@ class Stages(NamedTuple):
   split: split_lib.Layout | None  # BI keeps op cotangents for BW; None: the
   #   backward tasks call the whole pullback
   stale_schedule: bool  # `contract.schedule_is_stale`: pass stale_params
+  whole_model: bool  # `scope.py`: the update rule steps on all stages'
+  #   trees together (gathered over 'stage'), else on each stage's own
 
   @property
   def num_stages(self) -> int:
@@ -95,8 +98,8 @@ class TaskOutput(NamedTuple):
   branch copy it, every tick.
   """
 
-  forward: jax.Array  # [b, A]: the output, to stage s+1
-  backward: jax.Array  # [W, b, A]: input cotangents, to stage s-1
+  forward: packing.Flat  # dtype -> [A]: the output, to stage s+1
+  backward: packing.Flat  # dtype -> [W, A']: input cotangents, to stage s-1
   kept: packing.Flat  # dtype -> [L_res]: the forward's residuals (remat)
   kept_slot: jax.Array  # int32 []: their slot; C (scratch) when none
   op_cotangents: packing.Flat  # dtype -> [L_cot]: BI's, for BW (split)
@@ -139,37 +142,40 @@ def task_weights(ctx: Stages, s: int, carry: TickCarry, instr) -> Any:
                                since_forward=instr.since_forward)
 
 
-def to_buffer(ctx: Stages, y: jax.Array) -> jax.Array:
-  """A stage boundary value as one zero-padded buffer row `[b, A]`."""
-  b, width = ctx.buffer_shape
-  y = y.reshape(b, -1).astype(ctx.buffer_dtype)
-  return jnp.pad(y, ((0, 0), (0, width - y.shape[1])))
+def read_slot(buffer: packing.Flat, slot) -> packing.Flat:
+  """One slot's row of a per-dtype buffer."""
+  return {k: v[slot] for k, v in buffer.items()}
 
 
-def from_buffer(ctx: Stages, s: int, row: jax.Array) -> jax.Array:
-  """Stage s's input (or the cotangent of stage s-1's output) from a row."""
-  shape = ctx.boundary[s - 1]
-  n = int(np.prod(shape.shape[1:]))
-  return row[:, :n].reshape(shape.shape).astype(shape.dtype)
+def zero_row(lengths: dict, lead: tuple = ()) -> packing.Flat:
+  """A per-dtype row of zeros (`lead`: leading axes)."""
+  return {k: jnp.zeros(lead + (n,), k) for k, n in lengths.items()}
+
+
+def window_item(tree, minibatch, microbatch):
+  """One micro-batch of a window's inputs or targets (pytrees allowed)."""
+  return jax.tree.map(lambda v: v[minibatch, microbatch], tree)
 
 
 def stage_input(ctx: Stages, s: int, carry: TickCarry, instr, window: Window,
-                offset: int = 0) -> jax.Array:
-  """The input of the task's micro-batch `offset` (nF1B: 0..M-1)."""
+                offset: int = 0):
+  """The input of the task's micro-batch `offset` (nF1B: 0..M-1): a pytree,
+  each leaf in its own dtype."""
   if s == 0:
-    return window.inputs[instr.minibatch, instr.microbatch + offset]
-  return from_buffer(ctx, s, carry.buffers.acts[slot_of(ctx, instr, window,
-                                                         offset)])
+    return window_item(window.inputs, instr.minibatch,
+                       instr.microbatch + offset)
+  return ctx.boundaries.unpack_input(s, read_slot(
+      carry.buffers.acts, slot_of(ctx, instr, window, offset)))
 
 
 def no_output(ctx: Stages) -> TaskOutput:
   width = ctx.program.backward_width
-  zeros = lambda layout: {} if layout is None else {  # pylint: disable=unnecessary-lambda-assignment
-      k: jnp.zeros((n,), k) for k, n in layout.packing.lengths.items()}
+  zeros = lambda layout: {} if layout is None else zero_row(  # pylint: disable=unnecessary-lambda-assignment
+      layout.packing.lengths)
   scratch = jnp.asarray(ctx.program.num_slots, jnp.int32)
   return TaskOutput(
-      jnp.zeros(ctx.buffer_shape, ctx.buffer_dtype),
-      jnp.zeros((width,) + ctx.buffer_shape, ctx.buffer_dtype),
+      zero_row(ctx.boundaries.acts.lengths),
+      zero_row(ctx.boundaries.cots.lengths, (width,)),
       zeros(ctx.residuals), scratch, zeros(ctx.split), scratch)
 
 
@@ -195,7 +201,8 @@ def forward(ctx: Stages, s: int, carry: TickCarry, instr, window: Window):
   last = s == ctx.num_stages - 1
   weights, x = (task_weights(ctx, s, carry, instr),
                 stage_input(ctx, s, carry, instr, window))
-  target = window.targets[instr.minibatch, instr.microbatch] if last else None
+  target = (window_item(window.targets, instr.minibatch, instr.microbatch)
+            if last else None)
   output = no_output(ctx)
   if ctx.residuals is None:
     y = ctx.fns[s](weights, x)
@@ -206,7 +213,8 @@ def forward(ctx: Stages, s: int, carry: TickCarry, instr, window: Window):
         kept=residuals_lib.keep(ctx.residuals, s, kept),
         kept_slot=slot_of(ctx, instr, window))
   if not last:
-    return carry, output._replace(forward=to_buffer(ctx, out))
+    return carry, output._replace(
+        forward=ctx.boundaries.pack_input(s + 1, out))
   return add_losses(carry, out, 1), output
 
 
@@ -225,7 +233,7 @@ def split_gradients(ctx: Stages, s: int, kind: kinds_lib.TaskKind,
                                             cotangent)
   else:
     op_cots = ctx.split.packing.unpack(
-        s, {k: v[slot] for k, v in carry.buffers.op_cotangents.items()})
+        s, read_slot(carry.buffers.op_cotangents, slot))
   if kinds_lib.WEIGHT_GRADIENT in kind.produces:
     g_w = split_lib.weight_gradient(ctx.split.stages[s], weights, x, target,
                                     activations, op_cots)
@@ -247,18 +255,19 @@ def gradients(ctx: Stages, s: int, kind: kinds_lib.TaskKind, carry: TickCarry,
   last, M = s == ctx.num_stages - 1, ctx.num_microbatches
   x = stage_input(ctx, s, carry, instr, window, offset)
   slot = slot_of(ctx, instr, window, offset)
-  target = (window.targets[instr.minibatch, instr.microbatch + offset]
-            if last else None)
+  target = (window_item(window.targets, instr.minibatch,
+                        instr.microbatch + offset) if last else None)
   loss = jnp.zeros((), jnp.float32)
   if ctx.residuals is not None and not kind.runs_forward:
-    row = {k: v[slot] for k, v in carry.buffers.residuals.items()}
+    row = read_slot(carry.buffers.residuals, slot)
     kept = residuals_lib.restore(ctx.residuals, s, row, weights, x, target)
   else:
     value, kept = residuals_lib.vjp(ctx.fns[s], ctx.loss_fn, last)(
         weights, x, target)
     loss = value if last else loss
   cotangent = (jnp.asarray(1.0 / M, jnp.result_type(loss)) if last
-               else from_buffer(ctx, s + 1, carry.buffers.cots[slot]))
+               else ctx.boundaries.unpack_cotangent(
+                   s + 1, read_slot(carry.buffers.cots, slot)))
   if ctx.split is not None and not kind.runs_forward:
     g_w, g_x, op_cots = split_gradients(ctx, s, kind, carry, weights, kept,
                                         slot, x, target, cotangent)
@@ -282,14 +291,14 @@ def backward(ctx: Stages, s: int, kind: kinds_lib.TaskKind, carry: TickCarry,
     if kinds_lib.WEIGHT_GRADIENT in kind.produces:
       grads = g_w if grads is None else jax.tree.map(jnp.add, grads, g_w)
     losses = losses + loss
-    # Stage 0's input may be integer (token ids): no cotangent to send.
-    sends.append(to_buffer(ctx, g_x) if s > 0 and g_x is not None
-                 else no_output(ctx).forward)
+    # Stage 0 sends no cotangent; integer leaves (token ids) have none.
+    sends.append(ctx.boundaries.pack_cotangent(s, g_x) if s > 0
+                 and g_x is not None else zero_row(ctx.boundaries.cots.lengths))
   if kind.runs_forward:
     carry = add_losses(carry, losses, ctx.program.backward_width)
   out = no_output(ctx)
   if kinds_lib.INPUT_COTANGENT in kind.produces:
-    out = out._replace(backward=jnp.stack(sends))
+    out = out._replace(backward=jax.tree.map(lambda *r: jnp.stack(r), *sends))
   if op_cots is not None and kinds_lib.WEIGHT_GRADIENT not in kind.produces:
     out = out._replace(op_cotangents=ctx.split.packing.pack(s, op_cots),
                        op_cotangents_slot=slot_of(ctx, instr, window))
@@ -383,7 +392,7 @@ def exchange(ctx: Stages, output: TaskOutput, rows) -> TaskOutput:
   def hop(x, sent, pairs):
     return jax.lax.cond(jnp.any(sent >= 0),
                         lambda: jax.lax.ppermute(x, STAGE, pairs),
-                        lambda: jnp.zeros_like(x))
+                        lambda: jax.tree.map(jnp.zeros_like, x))
 
   return output._replace(
       forward=hop(output.forward, rows.recv_forward,
@@ -398,10 +407,12 @@ def file_arrivals(ctx: Stages, carry: TickCarry, received: TaskOutput, instr,
   nothing arriving writes the scratch slot C)."""
   C = ctx.program.num_slots
   slot = lambda at, w=0: jnp.where(at >= 0, (at + window.base + w) % C, C)  # pylint: disable=unnecessary-lambda-assignment
-  acts = carry.buffers.acts.at[slot(instr.recv_forward)].set(received.forward)
+  acts = {k: v.at[slot(instr.recv_forward)].set(received.forward[k])
+          for k, v in carry.buffers.acts.items()}
   cots = carry.buffers.cots
   for w in range(ctx.program.backward_width):
-    cots = cots.at[slot(instr.recv_backward, w)].set(received.backward[w])
+    cots = {k: v.at[slot(instr.recv_backward, w)].set(received.backward[k][w])
+            for k, v in cots.items()}
   return carry._replace(buffers=carry.buffers._replace(acts=acts, cots=cots))
 
 
@@ -425,6 +436,30 @@ def optimizer_step(ctx: Stages, s: int, carry: TickCarry, grads, instr):
           ctx.opt.pack(s, opt_state))
 
 
+def model_step(ctx: Stages, carry: TickCarry, grads, instr):
+  """The optimizer on the whole model (`scope.py`): every stage's gradient,
+  weights and extra arguments gathered over 'stage', the rule stepped on the
+  tuple of the S stage trees with the whole model's state (each stage holds
+  a copy). Every device computes the same update; returns the S new stage
+  trees and the new state."""
+  S = ctx.num_stages
+
+  def whole(flat):
+    gathered = {k: jax.lax.all_gather(v, STAGE) for k, v in flat.items()}
+    return tuple(ctx.params.unpack(s, {k: v[s] for k, v in gathered.items()})
+                 for s in range(S))
+
+  current = whole(read_version(carry.ring, 0))
+  kwargs = contract.extra_args(
+      ctx.optimizer, ctx.stale_schedule,
+      stale_params=whole(read_version(carry.ring, instr.update_lag)),
+      staleness=instr.update_staleness,
+      local_updates=whole(accumulated(carry)))
+  updates, opt_state = ctx.optimizer.update(
+      whole(grads), ctx.opt.unpack(0, carry.opt_state), current, **kwargs)
+  return optax.apply_updates(current, updates), opt_state
+
+
 def write_version(ring: WeightRing, params: packing.Flat, evict) -> WeightRing:
   """Stores the next version, over the slot of the version `evict` updates
   behind the latest (or an empty slot when `evict` < 0)."""
@@ -444,10 +479,16 @@ def apply_update(ctx: Stages, window: Window, carry: TickCarry,
   collectives run once, outside any stage-dependent branch.
   """
   grads = ctx.sync.reduce_gradient(accumulated(carry), DATA)
+  if ctx.whole_model:
+    new, new_state = model_step(ctx, carry, grads, instr)
+    step = lambda s, c, g, i: (ctx.params.pack(s, new[s]),  # pylint: disable=unnecessary-lambda-assignment
+                               ctx.opt.pack(s, new_state))
+  else:
+    step = functools.partial(optimizer_step, ctx)
   (params, opt_state), _ = ctx.lowering(
       window.stage, 1,
       [[lambda c, g, i: ((read_version(c.ring, 0), c.opt_state), ()),
-        lambda c, g, i, s=s: (optimizer_step(ctx, s, c, g, i), ())]
+        lambda c, g, i, s=s: (step(s, c, g, i), ())]
        for s in range(ctx.num_stages)], carry, grads, instr)
   rel = instr.update_minibatch
   event = sync_lib.UpdateEvent(

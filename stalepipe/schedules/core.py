@@ -53,6 +53,10 @@ class Schedule:
     backward_covers_minibatch: whether each stage runs one backward per
       minibatch (micro-batch 0) on the mean loss of all its micro-batches,
       as TiMePReSt's nF1B does, instead of one backward per micro-batch.
+    updates_together: whether every stage applies a minibatch's update at
+      one tick, the end of the tick in which the last stage's last
+      weight-gradient task of it ends (`together`), so that an update rule
+      can see the whole model's gradient.
   """
 
   name: str
@@ -66,13 +70,40 @@ class Schedule:
                                for k in kinds_lib.KINDS.values()})
   backward_covers_minibatch: bool = False
   options: Mapping[str, object] = dataclasses.field(default_factory=dict)
+  updates_together: bool = False
 
   def with_minibatches(self, num_minibatches: int) -> "Schedule":
     """The same schedule (name, sizes, options) over `num_minibatches`."""
     from stalepipe.schedules import make  # pylint: disable=g-import-not-at-top
-    return make(self.name, num_stages=self.num_stages,
-                num_microbatches=self.num_microbatches,
-                num_minibatches=num_minibatches, **self.options)
+    stream = make(self.name, num_stages=self.num_stages,
+                  num_microbatches=self.num_microbatches,
+                  num_minibatches=num_minibatches, **self.options)
+    return dataclasses.replace(stream, updates_together=self.updates_together)
+
+  def together(self) -> "Schedule":
+    """This schedule with every stage applying minibatch p's update at one
+    tick: the end of the tick in which its last weight-gradient task on any
+    stage ends. Every task reads the same version as before.
+
+    That holds exactly where the schedule finishes each minibatch's gradient
+    on every stage before any stage reads that minibatch's update (GPipe,
+    1F1B, zero-bubble's flush schedules): there an update rule may reduce
+    over the whole model (global-norm clipping, full delay compensation's
+    inner product) and equal unpipelined training.
+
+    Raises:
+      ValueError: where a task would read an update not yet applied (an
+        asynchronous schedule), naming the first.
+    """
+    together = dataclasses.replace(self, updates_together=True)
+    stream = together.with_minibatches(4 * self.num_minibatches)
+    for t in stream.tasks:
+      if stream.task_version(t) > stream.applied(t.stage, t.tick):
+        raise ValueError(
+            f"schedule {self.name!r} runs {t.kind} of minibatch "
+            f"{t.minibatch} on stage {t.stage} on an update that another "
+            "stage's gradient of the same minibatch is not yet finished for")
+    return together
 
   def version(self, minibatch: int, stage: int, kind: str,
               microbatch: int = 0) -> int:
@@ -159,6 +190,11 @@ class Schedule:
       if self.kind(t).closes_update:
         key = (t.stage, t.minibatch)
         last[key] = max(last.get(key, -1), self.end_tick(t) - 1)
+    if self.updates_together:
+      done = {}
+      for (_, p), u in last.items():
+        done[p] = max(done.get(p, -1), u)
+      last = {(s, p): done[p] for s, p in last}
     return last
 
   def applied(self, stage: int, tick: int) -> int:
