@@ -4,7 +4,8 @@ from stalepipe.models import losses
 from stalepipe.models.cnn import VGG16, VGG19, vgg
 from stalepipe.models.mlp import mlp
 from stalepipe.models.resnet import RESNET18, RESNET50, RESNET152, resnet
-from stalepipe.models.staging import Staged, even_boundaries, split, unpipelined
+from stalepipe.models.staging import (Staged, cut, even_boundaries, merge,
+                                      split, unpipelined)
 from stalepipe.models.transformer import transformer
 
 _REGISTRY = {"mlp": mlp, "vgg": vgg, "resnet": resnet,

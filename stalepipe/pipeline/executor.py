@@ -31,6 +31,7 @@ K*B minibatches.
 """
 
 import functools
+import time
 from typing import Any, Callable, Sequence
 
 import jax
@@ -49,6 +50,7 @@ from stalepipe.pipeline import program as program_lib
 from stalepipe.pipeline import residuals as residuals_lib
 from stalepipe.pipeline import scope as scope_lib
 from stalepipe.pipeline import split_backward as split_lib
+from stalepipe.pipeline import stage as stage_lib
 from stalepipe.pipeline import tick as tick_lib
 from stalepipe.pipeline.state import (Buffers, InputHistory, PipelineState,
                                       TickCarry, WeightRing, local, unlocal)
@@ -111,11 +113,54 @@ def run_window(ctx: tick_lib.Stages, state: PipelineState, inputs, targets,
   return new, loss, num_losses
 
 
+def throughput(inputs, targets, seconds: float) -> dict[str, float]:
+  """A window's wall time, examples/s and (sequence targets) tokens/s, from
+  the mesh-wide inputs and targets `[B, M, D*b, ...]`."""
+  examples = int(np.prod(jax.tree.leaves(inputs)[0].shape[:3]))
+  out = {"seconds": seconds, "examples_per_s": examples / seconds}
+  target = jax.tree.leaves(targets)[0]
+  if target.ndim > 3:
+    out["tokens_per_s"] = int(np.prod(target.shape)) / seconds
+  return out
+
+
+def process_slice(x, mesh: Mesh, process_index: int | None = None):
+  """This process's slice `[B, M, D_local*b, ...]` of a global window `[B, M,
+  D*b, ...]` (a pytree of such arrays): the micro-batch columns of the data
+  replicas whose devices this process holds, as `Pipeline.step` takes them
+  in a multi-process run.
+
+  Examples:
+    >>> # on process i of a 2-process run over a (4, S) mesh:
+    >>> # pipe.step(state, *process_slice((x, y), pipe.mesh))  # doctest: +SKIP
+  """
+  process = jax.process_index() if process_index is None else process_index
+  D = mesh.shape[DATA]
+  mine = [r for r, row in enumerate(mesh.devices)
+          if any(d.process_index == process for d in row)]
+  if not mine or mine != list(range(mine[0], mine[-1] + 1)):
+    raise ValueError(f"process {process}'s data replicas {mine} are invalid; "
+                     "valid: a non-empty run of consecutive replicas")
+
+  def cut(v):
+    v = np.asarray(v)
+    if v.ndim < 3 or v.shape[2] % D:
+      raise ValueError(f"window shape {v.shape} is invalid; valid: [B, M, a "
+                       f"multiple of {D} data replicas, ...]")
+    b = v.shape[2] // D
+    return v[:, :, mine[0] * b:(mine[-1] + 1) * b]
+
+  return jax.tree.map(cut, x)
+
+
 class Pipeline:
   """Runs `schedule` over `mesh` with `optimizer` applied per stage.
 
   Args:
-    stage_fns: S callables `f_s(params_s, x) -> y`; stages may differ.
+    stage_fns: S callables `f_s(params_s, x) -> y`; stages may differ; `x`
+      and `y` may be pytrees (each leaf crosses with its own dtype and
+      shape); a stage may declare keyword arguments `key` and `train`
+      (`stage.py`).
     loss_fn: `loss_fn(y, target) -> scalar`, the mean over a micro-batch.
     schedule: the schedule of one window (its B minibatches).
     optimizer: an optax transformation, applied to each stage's parameters.
@@ -147,6 +192,8 @@ class Pipeline:
       that cannot), "stage" (each stage's own tree), or "auto" (default:
       "model" where the rule couples stages, e.g. global-norm clipping or
       full delay compensation, else "stage").
+    seed: whence every task's PRNG key, for stages that take `key`
+      (`stage.py`: one key per minibatch, micro-batch, stage and replica).
 
   Examples:
     >>> import jax, optax, stalepipe as sp
@@ -164,7 +211,8 @@ class Pipeline:
                schedule: Schedule, optimizer: optax.GradientTransformation,
                mesh: Mesh, sync: sync_lib.SyncPolicy | None = None,
                lowering: str = "nested_switch", remat: str = "recompute",
-               layout: str = "packed", optimizer_scope: str = "auto"):
+               layout: str = "packed", optimizer_scope: str = "auto",
+               seed: int = 0):
     if tuple(mesh.axis_names) != (DATA, STAGE):
       raise ValueError(f"mesh axes {tuple(mesh.axis_names)} are invalid; "
                        f"valid: ({DATA!r}, {STAGE!r})")
@@ -181,7 +229,12 @@ class Pipeline:
     self.remat = remat
     self.layout = packing.get(layout)
     self.stage_fns = tuple(stage_fns)
+    self.seed = seed
+    self._fns = tuple(stage_lib.bind(f, train=True, first=s == 0)
+                      for s, f in enumerate(stage_fns))
+    self._wants_key = tuple("key" in stage_lib.wants(f) for f in stage_fns)
     self.loss_fn = loss_fn
+    self._loss_fn = stage_lib.bind_loss(loss_fn)
     self.schedule = schedule
     self.optimizer = optimizer
     self.mesh = mesh
@@ -331,10 +384,18 @@ class Pipeline:
     Returns:
       The new state and metrics: `loss`, the mean loss of the micro-batches
       whose forward reached the last stage in this window (NaN if none did),
-      and `num_losses`, their count.
+      and `num_losses`, their count; `seconds`, the window's wall time
+      (the call until its results are ready; the first call includes
+      compiling), `examples_per_s` (the window's B*M*D*b examples over it),
+      and for sequence targets (`[B, M, D*b, L, ...]`) `tokens_per_s` (the
+      first target leaf's elements over it).
     """
+    start = time.perf_counter()
     args = self.arguments(state, inputs, targets)
-    return self._step_fn(args[1], args[2])(*args)
+    state, metrics = self._step_fn(args[1], args[2])(*args)
+    jax.block_until_ready(metrics)
+    seconds = time.perf_counter() - start
+    return state, {**metrics, **throughput(args[1], args[2], seconds)}
 
   def lower(self, state: PipelineState, inputs, targets) -> jax.stages.Lowered:
     """The window step for these arguments, lowered (e.g. for its HLO)."""
@@ -364,16 +425,18 @@ class Pipeline:
         lambda v: jax.ShapeDtypeStruct(
             (v.shape[2] // self.num_replicas,) + v.shape[3:], v.dtype), tree)
     stage_inputs = [micro(inputs)]
-    for fn, params in zip(self.stage_fns[:-1], self._param_packing.trees):
-      stage_inputs.append(jax.eval_shape(fn, params, stage_inputs[-1]))
+    for s, params in enumerate(self._param_packing.trees[:-1]):
+      stage_inputs.append(jax.eval_shape(
+          self._fns[s], params, self._bound_input(s, stage_inputs[-1])))
+    bound_inputs = [self._bound_input(s, x) for s, x in enumerate(stage_inputs)]
     target = micro(targets)
-    split, forwards = self._forwards(stage_inputs, target)
+    split, forwards = self._forwards(bound_inputs, target)
     layout = None
     if self.remat == "residuals":
       layout = residuals_lib.analyse(forwards, self._param_packing.trees,
-                                     stage_inputs, target)
+                                     bound_inputs, target)
     return tick_lib.Stages(
-        fns=self.stage_fns, loss_fn=self.loss_fn, params=self._param_packing,
+        fns=self._fns, loss_fn=self._loss_fn, params=self._param_packing,
         opt=self._opt_packing, optimizer=self.optimizer, sync=self.sync,
         program=self.program,
         boundaries=boundary_lib.analyse(stage_inputs),
@@ -381,20 +444,25 @@ class Pipeline:
         window_minibatches=self.schedule.num_minibatches,
         lowering=self.lowering, residuals=layout, forwards=forwards,
         split=split, stale_schedule=self._stale_schedule,
-        whole_model=self.optimizer_scope == "model")
+        wants_key=self._wants_key, seed=self.seed, whole_model=self.optimizer_scope == "model")
+
+  def _bound_input(self, s: int, x):
+    """Stage s's input `x` (shapes) as its bound function takes it
+    (`stage.bind`): with a key's shape where the stage wants one."""
+    return (x, stage_lib.key_struct()) if self._wants_key[s] else x
 
   def _forwards(self, stage_inputs, target) -> tuple:
     """The split backward's layout (None unless remat="residuals" on a
     schedule with input- and weight-gradient tasks) and what each stage's
     forward runs under remat="residuals" (`residuals.analyse`)."""
     last = len(self.stage_fns) - 1
-    vjps = tuple(residuals_lib.vjp(fn, self.loss_fn, s == last)
-                 for s, fn in enumerate(self.stage_fns))
+    vjps = tuple(residuals_lib.vjp(fn, self._loss_fn, s == last)
+                 for s, fn in enumerate(self._fns))
     if self.remat != "residuals" or not any(
         kinds_lib.kind(k).splits_backward for k in self.program.kinds):
       return None, vjps
     objectives = [lambda p, x, t, s=s: residuals_lib.objective(
-        self.stage_fns[s], self.loss_fn, s == last, t)(p, x)
+        self._fns[s], self._loss_fn, s == last, t)(p, x)
                   for s in range(len(self.stage_fns))]
     split = split_lib.analyse_all(objectives, self._param_packing.trees,
                                   stage_inputs, target)

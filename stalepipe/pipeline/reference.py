@@ -29,6 +29,7 @@ import optax
 from stalepipe import sync as sync_lib
 from stalepipe.pipeline import contract
 from stalepipe.pipeline import scope as scope_lib
+from stalepipe.pipeline import stage as stage_lib
 from stalepipe.schedules import Schedule
 from stalepipe.schedules import kinds as kinds_lib
 
@@ -77,12 +78,13 @@ class Pipeline:
     sync: the sync policy across replicas; default BSP.
     optimizer_scope: "model", "stage" or "auto", as the executor's
       (`scope.py`).
+    seed: whence the PRNG key of each task, as the executor's (`stage.py`).
   """
 
   def __init__(self, stage_fns: Sequence[Callable], loss_fn: Callable,
                schedule: Schedule, optimizer: optax.GradientTransformation,
                num_replicas: int = 1, sync: sync_lib.SyncPolicy | None = None,
-               optimizer_scope: str = "auto"):
+               optimizer_scope: str = "auto", seed: int = 0):
     sync = sync or sync_lib.bsp(num_replicas)
     contract.check(stage_fns, schedule, optimizer, sync, num_replicas)
     self.optimizer_scope = scope_lib.resolve(optimizer_scope, optimizer,
@@ -90,7 +92,12 @@ class Pipeline:
     if self.optimizer_scope == "model":
       schedule = schedule.together()
     self.stage_fns = tuple(stage_fns)
+    self.seed = seed
+    self._fns = tuple(stage_lib.bind(f, train=True, first=s == 0)
+                      for s, f in enumerate(stage_fns))
+    self._wants_key = tuple("key" in stage_lib.wants(f) for f in stage_fns)
     self.loss_fn = loss_fn
+    self._loss_fn = stage_lib.bind_loss(loss_fn)
     self.schedule = schedule
     self.optimizer = optimizer
     self.num_replicas = num_replicas
@@ -199,22 +206,24 @@ class Pipeline:
     """Task t on replica d, as its kind declares."""
     s, p, kind = t.stage, t.minibatch, w.stream.kind(t)
     last, M = s == len(self.stage_fns) - 1, self.schedule.num_microbatches
-    fn, weights = self.stage_fns[s], self._weights(w, t, d)
+    fn, weights = self._fns[s], self._weights(w, t, d)
     if kind.runs_forward:
       self._observe(w, t, d)
     for m in w.stream.covered_microbatches(t):
-      x = (_item(w.part(w.inputs[p], d), m) if s == 0
-           else w.acts[(d, s, p, m)])
+      x = stage_lib.with_key(
+          _item(w.part(w.inputs[p], d), m) if s == 0
+          else w.acts[(d, s, p, m)], self._wants_key[s], self.seed, p, m, s,
+          d)
       target = _item(w.part(w.targets[p], d), m)
       if not kind.runs_backward:
         y = fn(weights, x)
         if last:
-          w.losses.append(self.loss_fn(y, target))
+          w.losses.append(self._loss_fn(y, target))
         else:
           w.acts[(d, s + 1, p, m)] = y
         continue
       if last:
-        objective = lambda v, x: self.loss_fn(fn(v, x), target) / M  # pylint: disable=cell-var-from-loop
+        objective = lambda v, x: self._loss_fn(fn(v, x), target) / M  # pylint: disable=cell-var-from-loop
         # Integer leaves of x (token ids) get a float0 cotangent.
         loss, (gw, gx) = jax.value_and_grad(objective, (0, 1),
                                             allow_int=True)(weights, x)
@@ -228,7 +237,8 @@ class Pipeline:
         w.grads[key] = (gw if key not in w.grads
                         else jax.tree.map(jnp.add, w.grads[key], gw))
       if s > 0 and kinds_lib.INPUT_COTANGENT in kind.produces:
-        w.cots[(d, s - 1, p, m)] = gx
+        w.cots[(d, s - 1, p, m)] = stage_lib.input_cotangent(
+            gx, self._wants_key[s])
 
   def _run_update(self, w: "_Scratch", p: int,
                   stages: tuple[int, ...] | None = None) -> None:

@@ -194,7 +194,7 @@ def weight_gradient(split: Split, p, x, target, kept: Sequence,
   return pullback([op_cotangents[i] for i in split.kept_index])[0]
 
 
-def _read_inputs(jaxpr: jcore.Jaxpr) -> list[bool]:
+def read_inputs(jaxpr: jcore.Jaxpr) -> list[bool]:
   """Which of the jaxpr's inputs its outputs depend on (dead code dropped,
   as jit drops it)."""
   live = {v for v in jaxpr.outvars if _is_var(v)}
@@ -258,7 +258,7 @@ def analyse(objective: Callable, p, x, target) -> Split:
   bw = jax.make_jaxpr(functools.partial(weight_gradient, draft))(
       p, x, target, avals(acts), [draft.cotangents[i] for i in draft.kept])
   start = len(jax.tree.leaves((p, x, target)))
-  read = _read_inputs(bw.jaxpr)[start:start + len(acts)]
+  read = read_inputs(bw.jaxpr)[start:start + len(acts)]
   return draft._replace(
       stored=tuple(v for v, r in zip(acts, read) if r),
       unread=tuple(v for v, r in zip(acts, read) if not r))

@@ -37,6 +37,7 @@ from stalepipe.pipeline import packing
 from stalepipe.pipeline import program as program_lib
 from stalepipe.pipeline import residuals as residuals_lib
 from stalepipe.pipeline import split_backward as split_lib
+from stalepipe.pipeline import stage as stage_lib
 from stalepipe.pipeline.state import TickCarry, WeightRing
 from stalepipe.schedules import kinds as kinds_lib
 
@@ -46,7 +47,8 @@ DATA, STAGE = "data", "stage"
 class Stages(NamedTuple):
   """What the tick functions know statically about a pipeline."""
 
-  fns: tuple[Callable, ...]  # S stage functions f_s(params_s, x) -> y
+  fns: tuple[Callable, ...]  # S stage functions as bound (`stage.bind`):
+  #   f_s(params_s, x) -> y, or f_s(params_s, (x, key_data)) -> y
   loss_fn: Callable  # loss_fn(y, target) -> scalar mean
   params: packing.Packing  # the stages' weight layouts
   opt: packing.Packing  # the stages' optimizer-state layouts
@@ -64,6 +66,8 @@ class Stages(NamedTuple):
   split: split_lib.Layout | None  # BI keeps op cotangents for BW; None: the
   #   backward tasks call the whole pullback
   stale_schedule: bool  # `contract.schedule_is_stale`: pass stale_params
+  wants_key: tuple[bool, ...]  # per stage: whether it takes a PRNG key
+  seed: int  # the run's seed, whence every task's key (`stage.key_data`)
   whole_model: bool  # `scope.py`: the update rule steps on all stages'
   #   trees together (gathered over 'stage'), else on each stage's own
 
@@ -168,6 +172,17 @@ def stage_input(ctx: Stages, s: int, carry: TickCarry, instr, window: Window,
       carry.buffers.acts, slot_of(ctx, instr, window, offset)))
 
 
+def bound_input(ctx: Stages, s: int, carry: TickCarry, instr, window: Window,
+                offset: int = 0):
+  """What the bound stage function takes (`stage.bind`): the input of the
+  task's micro-batch `offset`, with its key where the stage wants one."""
+  minibatch = ((window.step - ctx.program.history) * ctx.window_minibatches
+               + instr.minibatch)
+  return stage_lib.with_key(
+      stage_input(ctx, s, carry, instr, window, offset), ctx.wants_key[s],
+      ctx.seed, minibatch, instr.microbatch + offset, s, window.replica)
+
+
 def no_output(ctx: Stages) -> TaskOutput:
   width = ctx.program.backward_width
   zeros = lambda layout: {} if layout is None else zero_row(  # pylint: disable=unnecessary-lambda-assignment
@@ -200,7 +215,7 @@ def forward(ctx: Stages, s: int, carry: TickCarry, instr, window: Window):
   (split backward: BI's pullback and the weight ops' inputs BW reads)."""
   last = s == ctx.num_stages - 1
   weights, x = (task_weights(ctx, s, carry, instr),
-                stage_input(ctx, s, carry, instr, window))
+                bound_input(ctx, s, carry, instr, window))
   target = (window_item(window.targets, instr.minibatch, instr.microbatch)
             if last else None)
   output = no_output(ctx)
@@ -253,7 +268,7 @@ def gradients(ctx: Stages, s: int, kind: kinds_lib.TaskKind, carry: TickCarry,
   cotangents are None unless the backward is split.
   """
   last, M = s == ctx.num_stages - 1, ctx.num_microbatches
-  x = stage_input(ctx, s, carry, instr, window, offset)
+  x = bound_input(ctx, s, carry, instr, window, offset)
   slot = slot_of(ctx, instr, window, offset)
   target = (window_item(window.targets, instr.minibatch,
                         instr.microbatch + offset) if last else None)
@@ -271,8 +286,9 @@ def gradients(ctx: Stages, s: int, kind: kinds_lib.TaskKind, carry: TickCarry,
   if ctx.split is not None and not kind.runs_forward:
     g_w, g_x, op_cots = split_gradients(ctx, s, kind, carry, weights, kept,
                                         slot, x, target, cotangent)
-    return g_w, g_x, loss, op_cots
-  return (*kept(cotangent), loss, None)
+  else:
+    (g_w, g_x), op_cots = kept(cotangent), None
+  return g_w, stage_lib.input_cotangent(g_x, ctx.wants_key[s]), loss, op_cots
 
 
 def backward(ctx: Stages, s: int, kind: kinds_lib.TaskKind, carry: TickCarry,
@@ -308,10 +324,12 @@ def backward(ctx: Stages, s: int, kind: kinds_lib.TaskKind, carry: TickCarry,
 def run_task(ctx: Stages, s: int, kind: kinds_lib.TaskKind, carry: TickCarry,
              instr, window: Window):
   """Stage s runs a task of `kind`, as the kind declares: (carry, output,
-  the weight gradient's pieces or None)."""
-  if kind.runs_backward:
-    return backward(ctx, s, kind, carry, instr, window)
-  return (*forward(ctx, s, carry, instr, window), None)
+  the weight gradient's pieces or None). Its ops are named `stage<s>/<kind>`
+  (`jax.named_scope`) in the compiled program and in profiler traces."""
+  with jax.named_scope(f"stage{s}/{kind.name}"):
+    if kind.runs_backward:
+      return backward(ctx, s, kind, carry, instr, window)
+    return (*forward(ctx, s, carry, instr, window), None)
 
 
 def task_branches(ctx: Stages) -> list[list[Callable]]:
@@ -471,9 +489,11 @@ def write_version(ring: WeightRing, params: packing.Flat, evict) -> WeightRing:
       latest=ring.latest + 1)
 
 
+@jax.named_scope("update")
 def apply_update(ctx: Stages, window: Window, carry: TickCarry,
                  instr) -> TickCarry:
-  """The minibatch's update on this stage, with the sync policy around it.
+  """The minibatch's update on this stage, with the sync policy around it
+  (its ops named `update` in the compiled program and profiler traces).
 
   Only the optimizer step depends on the stage (its layout); the policy's
   collectives run once, outside any stage-dependent branch.
