@@ -45,6 +45,7 @@ from stalepipe import sync as sync_lib
 from stalepipe.pipeline import boundary as boundary_lib
 from stalepipe.pipeline import contract
 from stalepipe.pipeline import dispatch
+from stalepipe.pipeline import forward_only
 from stalepipe.pipeline import packing
 from stalepipe.pipeline import program as program_lib
 from stalepipe.pipeline import residuals as residuals_lib
@@ -396,6 +397,60 @@ class Pipeline:
     jax.block_until_ready(metrics)
     seconds = time.perf_counter() - start
     return state, {**metrics, **throughput(args[1], args[2], seconds)}
+
+  def evaluate(self, state: PipelineState, inputs, targets) -> dict:
+    """A forward-only window (`forward_only.py`): every micro-batch through
+    the stages' latest weights with `train=False`; no backward, no update,
+    the state unchanged.
+
+    Args:
+      state: from `init` or `step`.
+      inputs, targets: laid out as for `step`, `[B, M, D * b, ...]`.
+
+    Returns:
+      `loss`, the mean of `loss_fn` over the window's micro-batches (no
+      auxiliary terms), and `outputs`, the last stage's outputs `[B, M,
+      D * b, ...]` (e.g. logits).
+    """
+    self._check_window(inputs, targets)
+    inputs, targets = self.place(inputs), self.place(targets)
+    key = ("evaluate", jax.tree.structure((inputs, targets))) + tuple(
+        (v.shape, v.dtype) for v in jax.tree.leaves((inputs, targets)))
+    if key not in self._steps:
+      self._steps[key] = self._build_evaluate(inputs, targets)
+    loss, outputs = self._steps[key](state, inputs, targets)
+    B, M = self.schedule.num_minibatches, self.schedule.num_microbatches
+    return {"loss": loss, "outputs": jax.tree.map(
+        lambda o: o.reshape((B, M) + o.shape[1:]), outputs)}
+
+  def _build_evaluate(self, inputs, targets) -> Callable:
+    """The jitted forward-only window for windows shaped like these."""
+    fns = tuple(stage_lib.bind(f, train=False, first=s == 0)
+                for s, f in enumerate(self.stage_fns))
+    micro = lambda v: jax.ShapeDtypeStruct(  # pylint: disable=unnecessary-lambda-assignment
+        (v.shape[2] // self.num_replicas,) + v.shape[3:], v.dtype)
+    stage_inputs = [jax.tree.map(micro, inputs)]
+    for s, params in enumerate(self._param_packing.trees):
+      out = jax.eval_shape(fns[s], params,
+                           self._bound_input(s, stage_inputs[-1]))
+      stage_inputs.append(out)
+    ctx = forward_only.Forward(
+        fns=fns, loss_fn=self.loss_fn, params=self._param_packing,
+        boundaries=boundary_lib.analyse(stage_inputs[:-1]),
+        output=stage_inputs[-1][0], wants_key=self._wants_key,
+        seed=self.seed, num_microbatches=self.schedule.num_microbatches)
+
+    @jax.jit
+    def evaluate_fn(state, inputs, targets):
+      return jax.shard_map(
+          functools.partial(forward_only.run, ctx), mesh=self.mesh,
+          in_specs=(state_specs(state),
+                    jax.tree.map(lambda _: _WINDOW, inputs),
+                    jax.tree.map(lambda _: _WINDOW, targets)),
+          out_specs=(P(), jax.tree.map(lambda _: P(None, DATA), ctx.output)),
+          check_vma=False)(state, inputs, targets)
+
+    return evaluate_fn
 
   def lower(self, state: PipelineState, inputs, targets) -> jax.stages.Lowered:
     """The window step for these arguments, lowered (e.g. for its HLO)."""
