@@ -398,6 +398,37 @@ class Pipeline:
     seconds = time.perf_counter() - start
     return state, {**metrics, **throughput(args[1], args[2], seconds)}
 
+  def drain(self, state: PipelineState):
+    """Finishes the minibatches still in flight at the end of a run: the H
+    windows after the last one, with every task and update of a minibatch
+    that would start in them left out (`program.drain_table`), so the
+    weights hold every minibatch trained on (an asynchronous schedule's
+    last ones included). The state is then for `params` and checkpoints;
+    it takes no further `step`.
+
+    Returns:
+      The state and `loss` / `num_losses` of the forwards the drain ran.
+    """
+    H, B = self.program.history, self.schedule.num_minibatches
+    if H == 0 or state.history is None:  # nothing crosses a window
+      return state, {"loss": jnp.nan, "num_losses": 0}
+    zeros = lambda tree: jax.tree.map(  # pylint: disable=unnecessary-lambda-assignment
+        lambda h: self._put(np.zeros((B,) + h.shape[1:], h.dtype), _WINDOW),
+        tree)
+    inputs, targets = zeros(state.history.inputs), zeros(state.history.targets)
+    total, count = 0.0, 0
+    for j in range(H):
+      window = int(self._fetch(state.step))
+      state, inputs, targets, _, plan = self.arguments(state, inputs, targets)
+      tables = jax.tree.map(lambda c: self._put(c, P()), program_lib.drain_table(
+          self.program, window, (H - j) * B))
+      state, metrics = self._step_fn(inputs, targets)(state, inputs, targets,
+                                                      tables, plan)
+      n = int(metrics["num_losses"])
+      total, count = total + (float(metrics["loss"]) * n if n else 0.0), count + n
+    return state, {"loss": total / count if count else jnp.nan,
+                   "num_losses": count}
+
   def evaluate(self, state: PipelineState, inputs, targets) -> dict:
     """A forward-only window (`forward_only.py`): every micro-batch through
     the stages' latest weights with `train=False`; no backward, no update,

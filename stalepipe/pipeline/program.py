@@ -262,3 +262,21 @@ def compile_program(schedule: Schedule) -> Program:
       kinds=kinds, num_slots=layout["num_slots"], num_versions=num_versions,
       history=layout["history"],
       backward_width=M if stream.backward_covers_minibatch else 1)
+
+
+def drain_table(program: Program, window: int, first_new: int) -> Instructions:
+  """Window `window`'s table with only the work of earlier minibatches: every
+  task and update of a minibatch at index `first_new` or later of the
+  window's input history made idle, and nothing arriving from such a task.
+  Columns `[1, T, S]`, as the executor takes them (`Pipeline.drain`)."""
+  K = program.tables.kind.shape[0]
+  t = Instructions(*[np.array(c[min(window, K - 1)]) for c in program.tables])
+  new = (t.kind != IDLE) & (t.minibatch >= first_new)
+  recv_forward, recv_backward = t.recv_forward.copy(), t.recv_backward.copy()
+  recv_forward[:, 1:][new[:, :-1]] = -1
+  recv_backward[:, :-1][new[:, 1:]] = -1
+  late = (t.update == 1) & (t.update_minibatch >= first_new)
+  table = t._replace(kind=np.where(new, IDLE, t.kind).astype(np.int32),
+                     recv_forward=recv_forward, recv_backward=recv_backward,
+                     update=np.where(late, 0, t.update).astype(np.int32))
+  return Instructions(*[c[None] for c in table])

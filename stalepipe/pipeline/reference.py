@@ -40,6 +40,13 @@ def _stack(trees):
   return jax.tree.map(lambda *x: jnp.stack(x), *trees)
 
 
+def _first_forwards(stream) -> dict[int, int]:
+  """Minibatch -> the tick of its first stage-0 forward."""
+  return {t.minibatch: t.tick for t in stream.tasks
+          if t.stage == 0 and stream.kind(t).runs_forward
+          and t.microbatch == 0}
+
+
 def _item(tree, m):
   return jax.tree.map(lambda v: v[m], tree)
 
@@ -144,28 +151,52 @@ class Pipeline:
         raise ValueError(f"inputs shape {shape} is invalid; valid: "
                          f"[{B}, {M}, a multiple of {D} data replicas, ...]")
     stream = self.schedule.with_minibatches((k + 2) * B)
-    w = _Scratch(
+    w = self._scratch(state, stream, np.shape(jax.tree.leaves(inputs)[0])[2]
+                      // D)
+    for i in range(B):
+      w.inputs[k * B + i] = jax.tree.map(lambda v: jnp.asarray(v[i]), inputs)  # pylint: disable=cell-var-from-loop
+      w.targets[k * B + i] = jax.tree.map(lambda v: jnp.asarray(v[i]),  # pylint: disable=cell-var-from-loop
+                                          targets)
+    first = _first_forwards(stream)
+    self._run_ticks(w, range(first[k * B], first[(k + 1) * B]))
+    return self._finish(w, k + 1)
+
+  def drain(self, state: ReferenceState):
+    """Finishes the minibatches still in flight after the last window (an
+    asynchronous schedule's): every remaining task and update of
+    minibatches before kB runs, none of later ones. The state is then for
+    `params`; it takes no further `step`."""
+    k, B = state.window, self.schedule.num_minibatches
+    if not state.inputs:
+      return state, {"loss": jnp.nan, "num_losses": 0, "staleness": {}}
+    stream = self.schedule.with_minibatches((k + 2) * B)
+    some = jax.tree.leaves(next(iter(state.inputs.values())))[0]
+    w = self._scratch(state, stream, np.shape(some)[1] // self.num_replicas)
+    self._run_ticks(w, range(_first_forwards(stream)[k * B],
+                             stream.num_ticks), below=k * B)
+    return self._finish(w, k)
+
+  def _scratch(self, state: ReferenceState, stream, n: int) -> "_Scratch":
+    return _Scratch(
         stream=stream,
         versions={key: list(v) for key, v in state.versions.items()},
         provenance={key: list(v) for key, v in state.provenance.items()},
         opt_states=dict(state.opt_states), grads=dict(state.grads),
         acts=dict(state.acts), cots=dict(state.cots),
         sync_states=dict(state.sync_states), inputs=dict(state.inputs),
-        targets=dict(state.targets),
-        n=np.shape(jax.tree.leaves(inputs)[0])[2] // D)
-    for i in range(B):
-      w.inputs[k * B + i] = jax.tree.map(lambda v: jnp.asarray(v[i]), inputs)  # pylint: disable=cell-var-from-loop
-      w.targets[k * B + i] = jax.tree.map(lambda v: jnp.asarray(v[i]),  # pylint: disable=cell-var-from-loop
-                                          targets)
-    first = {t.minibatch: t.tick for t in stream.tasks
-             if t.stage == 0 and stream.kind(t).runs_forward
-             and t.microbatch == 0}
+        targets=dict(state.targets), n=n)
+
+  def _run_ticks(self, w: "_Scratch", ticks, below: int | None = None):
+    """Every task and update in `ticks` (of minibatches before `below`)."""
+    keep = lambda p: below is None or p < below  # pylint: disable=unnecessary-lambda-assignment
     updates_at = {}
-    for (s, p), u in sorted(stream.update_ticks.items()):
-      updates_at.setdefault(u, []).append((s, p))
-    for tick in range(first[k * B], first[(k + 1) * B]):
-      for t in (t for t in stream.tasks if t.tick == tick):
-        for d in range(D):
+    for (s, p), u in sorted(w.stream.update_ticks.items()):
+      if keep(p):
+        updates_at.setdefault(u, []).append((s, p))
+    for tick in ticks:
+      for t in (t for t in w.stream.tasks if t.tick == tick
+                and keep(t.minibatch)):
+        for d in range(self.num_replicas):
           self._run_task(w, t, d)
       due = updates_at.get(tick, ())
       if self.optimizer_scope == "model":
@@ -174,15 +205,17 @@ class Pipeline:
       else:
         for s, p in due:
           self._run_update(w, p, (s,))
+
+  def _finish(self, w: "_Scratch", window: int):
     state = ReferenceState(
         versions={key: tuple(v) for key, v in w.versions.items()},
         provenance={key: tuple(v) for key, v in w.provenance.items()},
         opt_states=w.opt_states, grads=w.grads, acts=w.acts, cots=w.cots,
         sync_states=w.sync_states, inputs=w.inputs, targets=w.targets,
-        window=k + 1)
+        window=window)
     loss = jnp.mean(jnp.stack(w.losses)) if w.losses else jnp.nan
-    return state, {"loss": loss, "num_losses": len(w.losses) // D,
-                   "staleness": w.staleness}
+    return state, {"loss": loss, "num_losses": len(w.losses)
+                   // self.num_replicas, "staleness": w.staleness}
 
   def _weights(self, w: "_Scratch", t, d: int):
     """The weights task t reads on replica d: its version, or as predicted."""
