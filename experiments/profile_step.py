@@ -40,20 +40,26 @@ _CONTAINERS = re.compile(
     r"CommonPjRt|ppermute|psum|all-reduce)")
 
 
-def op_durations(trace_dir: str) -> dict[str, list[float]]:
-  """Op name (clone numbers dropped) -> durations in microseconds."""
+def op_durations(trace_dir: str, op_tasks: dict[str, str] | None = None
+                 ) -> tuple[dict[str, list[float]], dict[str, float]]:
+  """Op name (clone numbers dropped) -> durations in microseconds, and the
+  total per task (`op_tasks`: instruction -> task, from the compiled text;
+  ops under no task's scope count as "(tick)")."""
   path = glob.glob(f"{trace_dir}/**/*.json.gz", recursive=True)[0]
   with gzip.open(path) as f:
     trace = json.load(f)
   events = trace["traceEvents"] if isinstance(trace, dict) else trace
   durations = collections.defaultdict(list)
+  by_task = collections.defaultdict(float)
   for event in events:
     if event.get("ph") != "X":
       continue
     name = re.sub(r"\.clone|\.\d+", "", event["name"])
     if not _CONTAINERS.match(name):
       durations[name].append(float(event.get("dur", 0)))
-  return durations
+      by_task[(op_tasks or {}).get(event["name"], "(tick)")] += float(
+          event.get("dur", 0))
+  return durations, by_task
 
 
 def main():
@@ -79,11 +85,13 @@ def main():
   staged = common.make_model(zero_bubble.S, args.hidden, args.layers)
   x, y = common.make_batch(args.minibatches, args.micro, 2 * args.batch,
                            args.hidden)
+  info = {}
   if args.schedule == "baseline":
     run = common.baseline_run(staged, mesh, x[0], y[0])
   else:
-    run, _, _ = zero_bubble.build(args.schedule, args.remat, "nested_switch",
-                                  staged, mesh, x, y, layout=args.layout)
+    run, _, info = zero_bubble.build(args.schedule, args.remat,
+                                     "nested_switch", staged, mesh, x, y,
+                                     layout=args.layout, with_ops=True)
   for _ in range(3):
     run()
   with tempfile.TemporaryDirectory() as trace_dir:
@@ -91,7 +99,7 @@ def main():
     for _ in range(args.windows):
       run()
     jax.profiler.stop_trace()
-    durations = op_durations(trace_dir)
+    durations, by_task = op_durations(trace_dir, info.get("op_tasks"))
   total = sum(sum(v) for v in durations.values())
   print(f"{args.schedule}: op time {total / args.windows / 1e3:.1f} ms per "
         "window, summed over device threads")
@@ -103,6 +111,11 @@ def main():
     print(f"{name[:40]:40s} {len(v) // args.windows:6d} "
           f"{np.median(v):6.0f}us {v.mean():6.0f}us "
           f"{np.percentile(v, 90):6.0f}us {100 * v.sum() / total:5.1f}%")
+  if info.get("op_tasks"):
+    print(f"\n{'task (named scope)':40s} {'per window':>10s} {'share':>6s}")
+    for task, us in sorted(by_task.items(), key=lambda kv: -kv[1]):
+      print(f"{task:40s} {us / args.windows / 1e3:8.1f}ms "
+            f"{100 * us / total:5.1f}%")
 
 
 if __name__ == "__main__":

@@ -42,6 +42,7 @@ from stalepipe.pipeline import dispatch
 from stalepipe.pipeline import executor
 from stalepipe.pipeline import packing
 from stalepipe.pipeline import residuals as residuals_lib
+from stalepipe.pipeline import trace_names
 
 S = 4
 SCHEDULES = ("1f1b", "zb-h1", "zb-h2")
@@ -75,8 +76,9 @@ class WholePullbackBW(executor.Pipeline):
 
 
 def build(name, remat, lowering, staged, mesh, x, y, pipeline=None,
-          layout="packed"):
-  """A run of one window, its tables' tick count and its memory figures."""
+          layout="packed", with_ops=False):
+  """A run of one window, its tables' tick count and its memory figures
+  (`with_ops`: also each compiled op's task, `trace_names.task_of_ops`)."""
   B, M = x.shape[:2]
   schedule = common.make_schedule(name, S, M, B)
   pipe = (pipeline or executor.Pipeline)(
@@ -101,6 +103,8 @@ def build(name, remat, lowering, staged, mesh, x, y, pipeline=None,
           "residual_bytes": shard_bytes(state.buffers.residuals),
           "op_cotangent_bytes": shard_bytes(state.buffers.op_cotangents),
           "temp_bytes": int(memory.temp_size_in_bytes)}
+  if with_ops:
+    info["op_tasks"] = trace_names.task_of_ops(step_fn.as_text())
   return (lambda: run(args)), (lambda: run(idle_args)), info
 
 
