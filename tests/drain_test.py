@@ -11,8 +11,9 @@ from stalepipe.pipeline import executor
 from stalepipe.pipeline import reference
 
 
-@pytest.mark.parametrize("name,S,M", [("pipedream", 3, 2), ("2bw", 2, 2),
-                                      ("1f1b", 2, 2)])
+@pytest.mark.parametrize("name,S,M", [
+    ("pipedream", 3, 2), pytest.param("2bw", 2, 2, marks=pytest.mark.slow),
+    pytest.param("1f1b", 2, 2, marks=pytest.mark.slow)])
 def test_drain_equals_the_oracles_and_applies_every_update(name, S, M):
   B, D, windows = 2, 1, 2
   staged = sp.models.split(sp.models.mlp(8, 6, S - 1, 4, seed=4), S)

@@ -9,7 +9,9 @@ import stalepipe as sp
 from stalepipe.models.losses import cross_entropy
 
 
-@pytest.mark.parametrize("name", ["1f1b", "pipedream", "zb-h1"])
+@pytest.mark.parametrize("name", [
+    pytest.param("1f1b", marks=pytest.mark.slow), "pipedream",
+    pytest.param("zb-h1", marks=pytest.mark.slow)])
 def test_evaluate_equals_the_unpipelined_forward_and_changes_nothing(name):
   S, M, B, D = 4, 2, 2, 2
   staged = sp.models.split(sp.models.mlp(8, 6, S - 1, 4, seed=2), S)

@@ -74,7 +74,9 @@ def _run(name, remat):
 
 
 @pytest.mark.parametrize("name,remat", [
-    ("1f1b", "recompute"), ("zb-h1", "residuals"), ("pipedream", "recompute")])
+    pytest.param("1f1b", "recompute", marks=pytest.mark.slow),
+    ("zb-h1", "residuals"),
+    pytest.param("pipedream", "recompute", marks=pytest.mark.slow)])
 def test_aux_loss_executor_equals_oracle(name, remat):
   got, want, data = _run(name, remat)
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):

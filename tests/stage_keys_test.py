@@ -82,8 +82,10 @@ def _run(name, remat, D=1, S=3, windows=3):
 
 
 @pytest.mark.parametrize("name,remat", [
-    ("gpipe", "recompute"), ("1f1b", "residuals"), ("zb-h1", "residuals"),
-    ("pipedream", "recompute")])
+    ("gpipe", "recompute"),
+    pytest.param("1f1b", "residuals", marks=pytest.mark.slow),
+    ("zb-h1", "residuals"),
+    pytest.param("pipedream", "recompute", marks=pytest.mark.slow)])
 def test_dropout_executor_equals_oracle(name, remat):
   got, want, _ = _run(name, remat)
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
