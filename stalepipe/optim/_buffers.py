@@ -1,8 +1,14 @@
 """State buffers that take their parameter's sharding, and markers for absent ones."""
 
+from typing import Union
+
 import chex
+import jax
 import jax.numpy as jnp
 import optax
+from flax import nnx
+from flax.core import meta as linen_meta
+from jax.sharding import NamedSharding, PartitionSpec
 
 
 def zeros_stack(leaf: chex.Array, depth: int) -> chex.Array:
@@ -23,6 +29,60 @@ def zeros_stack(leaf: chex.Array, depth: int) -> chex.Array:
   """
   leaf = jnp.asarray(leaf)
   return jnp.broadcast_to(jnp.zeros_like(leaf)[None], (depth, *leaf.shape))
+
+
+def zeros_stacks(params: chex.ArrayTree,
+                 depth: Union[int, chex.ArrayTree]) -> chex.ArrayTree:
+  """`zeros_stack` of every leaf, absent where its depth is 0.
+
+  A leaf that Flax annotates with sharding names (an `nnx.Variable`'s
+  `out_sharding`, as `nnx.with_partitioning` sets it, and its
+  `optimizer_sharding`; a linen `nn.Partitioned` box) keeps its annotation
+  with the new leading axis named `None`, unsharded: `("tp",)` becomes
+  `(None, "tp")`. Mapping over the leaves alone would give the stack the
+  leaf's names, which put axis 0 on "tp" (`nnx.Optimizer` then refuses to
+  build the state). This is how `nnx.vmap` and `nnx.scan` annotate the axis
+  they add.
+
+  Args:
+    params: the params, plain arrays or Flax-annotated ones.
+    depth: an int >= 0, or a pytree of them like `params`.
+
+  Returns:
+    A pytree like `params`: `[depth, *leaf.shape]` zeros per leaf, or
+    `absent()` for depth 0.
+  """
+  if isinstance(depth, int):
+    depth = jax.tree.map(lambda _: depth, params)
+  stacks = jax.tree.map(lambda d, p: zeros_stack(p, d) if d else absent(),
+                        depth, params)
+  return jax.tree.map(_unsharded_first_axis, stacks, is_leaf=_is_annotated)
+
+
+def _is_annotated(x) -> bool:
+  return isinstance(x, (nnx.Variable, linen_meta.AxisMetadata))
+
+
+def _prepend_none(names):
+  """Sharding names (tuple, PartitionSpec or NamedSharding) with `None` first."""
+  if isinstance(names, NamedSharding):
+    return NamedSharding(names.mesh, PartitionSpec(None, *names.spec))
+  if isinstance(names, PartitionSpec):
+    return PartitionSpec(None, *names)
+  return (None, *names)
+
+
+def _unsharded_first_axis(x):
+  if isinstance(x, nnx.Variable):
+    if is_absent(x.get_value()):
+      return x
+    meta = x.get_metadata()
+    names = {k: _prepend_none(meta[k])
+             for k in ("out_sharding", "optimizer_sharding") if meta.get(k)}
+    return x.copy(**names) if names else x
+  if isinstance(x, linen_meta.AxisMetadata):
+    return x.add_axis(0, {linen_meta.PARTITION_NAME: None})
+  return x
 
 
 def absent() -> optax.MaskedNode:

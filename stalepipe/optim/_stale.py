@@ -92,10 +92,7 @@ def stale_gradients(delay: Delay) -> optax.GradientTransformation:
     jax.tree.map(_check_delay, delay)
 
   def init_fn(params):
-    delays = leaf_delays(delay, params)
-    buffer = jax.tree.map(
-        lambda d, p: _buffers.zeros_stack(p, d) if d else _buffers.absent(),
-        delays, params)
+    buffer = _buffers.zeros_stacks(params, leaf_delays(delay, params))
     return StaleGradientsState(count=jnp.zeros([], jnp.int32), buffer=buffer)
 
   def update_fn(updates, state, params=None):
