@@ -56,33 +56,51 @@ def zeros_stacks(params: chex.ArrayTree,
     depth = jax.tree.map(lambda _: depth, params)
   stacks = jax.tree.map(lambda d, p: zeros_stack(p, d) if d else absent(),
                         depth, params)
-  return jax.tree.map(_unsharded_first_axis, stacks, is_leaf=_is_annotated)
+  return _renamed(stacks, lambda names, ndim: (None, *names))
+
+
+def unsharded_annotations(tree: chex.ArrayTree) -> chex.ArrayTree:
+  """`tree` with each Flax sharding annotation replaced by one `None` per axis.
+
+  For state built by mapping over the params whose leaves are not shaped
+  like their parameter (a `[rows, rows]` basis of a `[rows, cols]` weight):
+  the parameter's names would not fit, and such a leaf is kept unsharded.
+  """
+  return _renamed(tree, lambda names, ndim: (None,) * ndim)
+
+
+def _renamed(tree, rename):
+  """Flax-annotated leaves of `tree` with their names `rename(names, ndim)`.
+
+  `rename` maps a tuple of names to a tuple; a PartitionSpec or a
+  NamedSharding annotation stays one.
+  """
+  def new(names, ndim):
+    if isinstance(names, NamedSharding):
+      return NamedSharding(names.mesh, PartitionSpec(*rename(names.spec, ndim)))
+    if isinstance(names, PartitionSpec):
+      return PartitionSpec(*rename(tuple(names), ndim))
+    return tuple(rename(tuple(names), ndim))
+
+  def one(x):
+    if isinstance(x, nnx.Variable):
+      value = x.get_value()
+      if is_absent(value):
+        return x
+      meta = x.get_metadata()
+      names = {k: new(meta[k], jnp.ndim(value))
+               for k in ("out_sharding", "optimizer_sharding") if meta.get(k)}
+      return x.copy(**names) if names else x
+    if isinstance(x, linen_meta.AxisMetadata) and hasattr(x, "names"):
+      value = x.value
+      return x if is_absent(value) else x.replace(
+          names=new(x.names, jnp.ndim(value)))
+    return x
+  return jax.tree.map(one, tree, is_leaf=_is_annotated)
 
 
 def _is_annotated(x) -> bool:
   return isinstance(x, (nnx.Variable, linen_meta.AxisMetadata))
-
-
-def _prepend_none(names):
-  """Sharding names (tuple, PartitionSpec or NamedSharding) with `None` first."""
-  if isinstance(names, NamedSharding):
-    return NamedSharding(names.mesh, PartitionSpec(None, *names.spec))
-  if isinstance(names, PartitionSpec):
-    return PartitionSpec(None, *names)
-  return (None, *names)
-
-
-def _unsharded_first_axis(x):
-  if isinstance(x, nnx.Variable):
-    if is_absent(x.get_value()):
-      return x
-    meta = x.get_metadata()
-    names = {k: _prepend_none(meta[k])
-             for k in ("out_sharding", "optimizer_sharding") if meta.get(k)}
-    return x.copy(**names) if names else x
-  if isinstance(x, linen_meta.AxisMetadata):
-    return x.add_axis(0, {linen_meta.PARTITION_NAME: None})
-  return x
 
 
 def absent() -> optax.MaskedNode:
