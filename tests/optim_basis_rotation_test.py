@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import orbax.checkpoint as ocp
 import pytest
 
 import stalepipe as sp
@@ -313,6 +314,29 @@ def test_works_inside_masked_multisteps_and_inject_hyperparams():
   np.testing.assert_allclose(masked["b"], x["b"] + sum(g["b"] for g in grads))
   accumulated = run(optax.MultiSteps(sp.optim.basis_rotation_adam(1e-2), 2))
   assert all(np.isfinite(v).all() for v in jax.tree.leaves(accumulated))
+
+
+def test_orbax_round_trip_continues_bit_for_bit(tmp_path):
+  opt = sp.optim.basis_rotation_adam(1e-2, precondition_frequency=2,
+                                     rotation_geometry="uni")
+  x = {"wide": jnp.ones((2, 3)), "tall": jnp.ones((3, 2)), "b": jnp.ones(2)}
+  update = jax.jit(opt.update)
+
+  def run(x, state, start, steps):
+    for t in range(start, start + steps):
+      g = jax.tree.map(lambda v, t=t: jnp.cos(v * (t + 1.0)) + 0.1 * t, x)
+      updates, state = update(g, state, x)
+      x = optax.apply_updates(x, updates)
+    return x, state
+
+  x, state = run(x, opt.init(x), 0, 3)
+  with ocp.StandardCheckpointer() as ckpt:
+    ckpt.save(tmp_path / "ckpt", (x, state))
+    ckpt.wait_until_finished()
+    restored = ckpt.restore(tmp_path / "ckpt", jax.tree.map(
+        ocp.utils.to_shape_dtype_struct, (x, state)))
+  jax.tree.map(np.testing.assert_array_equal, run(*restored, 3, 4),
+               run(x, state, 3, 4))
 
 
 @pytest.mark.parametrize("kwargs, match", [
