@@ -92,12 +92,13 @@ def _np_spectrain(make_inner):
   return _np_run(make_inner, rule)
 
 
-def _np_pipemare(make_inner, warmup_steps=K, gamma=GAMMA):
-  """PipeMare T1 (tau^-(1 - min(t/K, 1))) and T2 (w - b delta)."""
+def _np_pipemare(make_inner, warmup_steps=K, gamma=GAMMA, count_from=1):
+  """PipeMare T1 (tau^-(1 - min((t + c)/K, 1))) and T2 (w - b delta)."""
   def rule(t, x, inner, delta):
     x_hat = {k: x[k] - SINCE[t] * delta[k] for k in x}
     g = _np_grad(x_hat, t)
-    power = 1 - min(t / warmup_steps, 1) if warmup_steps else 0
+    power = (1 - min((t + count_from) / warmup_steps, 1) if warmup_steps
+             else 0)
     scale = max(TAU[t], 1) ** -power
     x_next = {}
     for k in x:
@@ -145,12 +146,43 @@ def test_spectrain_matches_numpy(inner):
   _assert_runs_close(got, _np_spectrain(make_np))
 
 
+@pytest.mark.parametrize("count_from", [1, 0])
 @pytest.mark.parametrize("inner", ["sgd", "adam"])
-def test_pipemare_matches_numpy(inner):
+def test_pipemare_matches_numpy(inner, count_from):
   make_opt, make_np = INNER[inner]
-  pm = sp.optim.PipeMare(make_opt(), warmup_steps=K, decay=GAMMA)
+  pm = sp.optim.PipeMare(make_opt(), warmup_steps=K, decay=GAMMA,
+                         count_from=count_from)
   got = _jax_run(pm, "since_forward", SINCE, update_arg="staleness")
-  _assert_runs_close(got, _np_pipemare(make_np))
+  _assert_runs_close(got, _np_pipemare(make_np, count_from=count_from))
+
+
+def _asyncpp_lr(base_lr, epoch, step, epoch_length, lr_correction_epoch,
+                num_versions):
+  """AsyncPP's `adjust_learning_rate` with `--lr_correction`, constant policy.
+
+  github.com/PluralisResearch/AsyncPP, main_with_runtime.py lines 661-663.
+  """
+  lr = base_lr
+  if num_versions > 1:
+    lr = lr / ((num_versions - 1) ** (1 - min(
+        float(1 + step + epoch * epoch_length)
+        / (lr_correction_epoch * epoch_length), 1)))
+  return lr
+
+
+def test_pipemare_t1_is_asyncpps_lr_correction():
+  epoch_length, correction_epochs, num_versions = 3, 2, 5
+  pm = sp.optim.PipeMare(optax.sgd(LR),
+                         warmup_steps=correction_epochs * epoch_length,
+                         decay=0.5)
+  state, x = pm.init(jnp.zeros(D)), jnp.zeros(D)
+  g = jnp.linspace(-1.0, 1.0, D)
+  for t in range(3 * epoch_length):
+    updates, state = jax.jit(pm.update)(g, state, x,
+                                        staleness=num_versions - 1)
+    lr = _asyncpp_lr(LR, t // epoch_length, t % epoch_length, epoch_length,
+                     correction_epochs, num_versions)
+    np.testing.assert_allclose(updates, -lr * np.asarray(g), rtol=1e-6)
 
 
 def test_spectrain_with_momentum_sgd_is_spectrain_prediction():
@@ -283,12 +315,11 @@ def test_pipemare_step_size_is_the_inner_ones_when_t1_is_inactive(inner):
   for got, want in _plain_and_wrapped(
       sp.optim.PipeMare(opt, warmup_steps=10, decay=0.9), opt, (0, 1, 1, 0)):
     np.testing.assert_array_equal(got, want)
-  # after the warm-up (t >= K = 2) the step size is alpha, bit for bit.
+  # after the warm-up (t + 1 >= K = 2) the step size is alpha, bit for bit.
   pairs = _plain_and_wrapped(
       sp.optim.PipeMare(opt, warmup_steps=2, decay=0.9), opt, (4, 4, 4, 4))
-  np.testing.assert_allclose(pairs[0][0], pairs[0][1] / 4, rtol=1e-6)
-  np.testing.assert_allclose(pairs[1][0], pairs[1][1] / 2, rtol=1e-6)
-  for got, want in pairs[2:]:
+  np.testing.assert_allclose(pairs[0][0], pairs[0][1] / 2, rtol=1e-6)
+  for got, want in pairs[1:]:
     np.testing.assert_array_equal(got, want)
 
 
@@ -343,6 +374,8 @@ def _call(wrapper, method, **kwargs):
      "decay=-0.1"),
     (lambda: sp.optim.PipeMare(optax.sgd(0.1), warmup_steps=2,
                                decay=float("nan")), "decay=nan"),
+    (lambda: sp.optim.PipeMare(optax.sgd(0.1), warmup_steps=2, decay=0.5,
+                               count_from=2), "count_from=2"),
     (lambda: _call(_spectrain(), "predict", ahead=1.5), "ahead=1.5"),
     (lambda: _call(_spectrain(), "predict", ahead=jnp.array([1, 2])),
      "ahead=Array"),

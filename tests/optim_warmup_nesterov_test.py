@@ -108,11 +108,18 @@ def test_ambiguous_staleness_is_a_one_line_error(staleness, match):
   assert "\n" not in str(err.value)
 
 
-def _torch_nadam(grads, lr, b1, b2=0.999, eps=1e-8, psi=0.004):
-  """PyTorch's NAdam step (torch.optim.NAdam, no weight decay) in NumPy."""
-  x = np.zeros_like(grads[0], np.float64)
+def _torch_nadam(grad, x0, steps, lr, b1, b2=0.999, eps=1e-8, psi=0.004,
+                 weight_decay=0.0, clip=None):
+  """The official AsyncPP step in NumPy: torch.optim.NAdam (decoupled weight
+  decay, as optim/nadamw.py sets it) after the stage's clip_grad_norm_
+  (optim/optimizer.py lines 196-199); `grad(x, t)` gives the gradient."""
+  x = np.asarray(x0, np.float64)
   m, v, mu_prod, xs = np.zeros_like(x), np.zeros_like(x), 1.0, []
-  for t, g in enumerate(grads, start=1):
+  for t in range(1, steps + 1):
+    g = np.asarray(grad(x, t - 1), np.float64)
+    if clip is not None:  # torch.nn.utils.clip_grad_norm_
+      g = g * min(clip / (np.linalg.norm(g) + 1e-6), 1.0)
+    x = x * (1 - lr * weight_decay)
     mu = b1 * (1 - 0.5 * 0.96 ** (t * psi))
     mu_next = b1 * (1 - 0.5 * 0.96 ** ((t + 1) * psi))
     mu_prod *= mu
@@ -125,23 +132,49 @@ def _torch_nadam(grads, lr, b1, b2=0.999, eps=1e-8, psi=0.004):
   return np.stack(xs)
 
 
+def _run_nesterov(opt, grad, x0, steps):
+  x = jnp.asarray(x0, jnp.float32)
+  state, xs = opt.init(x), []
+  for t in range(steps):
+    u, state = jax.jit(opt.update)(grad(x, t), state, x)
+    x = optax.apply_updates(x, u)
+    xs.append(np.asarray(x))
+  return np.stack(xs)
+
+
 @pytest.mark.parametrize("delay,num_stages,b1", [(None, None, 0.99),
                                                   (3, 4, 0.9)])
 def test_async_nesterov_is_pytorch_nadam(delay, num_stages, b1):
   rng = np.random.default_rng(2)
   grads = rng.normal(size=(12, 5)).astype(np.float32)
+  grad = lambda x, t: grads[t]  # pylint: disable=unnecessary-lambda-assignment
   opt = optax.chain(
       sp.optim.scale_by_async_nesterov(b1, delay=delay, num_stages=num_stages),
       optax.scale_by_learning_rate(0.01))
-  x = jnp.zeros(5)
-  state, xs = opt.init(x), []
-  for g in grads:
-    u, state = jax.jit(opt.update)(jnp.asarray(g), state)
-    x = optax.apply_updates(x, u)
-    xs.append(np.asarray(x))
   b1_eff = b1 if delay is None else b1 + delay * (0.99 - b1) / num_stages
-  np.testing.assert_allclose(np.stack(xs), _torch_nadam(grads, 0.01, b1_eff),
+  np.testing.assert_allclose(_run_nesterov(opt, grad, np.zeros(5), 12),
+                             _torch_nadam(grad, np.zeros(5), 12, 0.01, b1_eff),
                              rtol=2e-5, atol=1e-7)
+
+
+def test_async_nesterov_runs_asyncpps_official_configuration():
+  # run.bash: --momentum 0.99 --optimizer nadamw --clip_grad 10, lr 3e-4
+  # (a constant step here); main_with_runtime.py: weight decay 0.01.
+  rng = np.random.default_rng(3)
+  a = rng.normal(size=(6, 5)) * 4
+  y = rng.normal(size=6) * 4
+  grad = lambda x, t: a.T @ (a @ x - y * (1 + 0.1 * t))  # pylint: disable=unnecessary-lambda-assignment
+  x0 = rng.normal(size=5)
+  opt = optax.chain(optax.clip_by_global_norm(10.0),
+                    sp.optim.scale_by_async_nesterov(),
+                    optax.add_decayed_weights(0.01),
+                    optax.scale_by_learning_rate(3e-4))
+  want = _torch_nadam(grad, x0, 10, 3e-4, 0.99, weight_decay=0.01, clip=10.0)
+  assert np.linalg.norm(grad(x0, 0)) > 10  # the clipping acts
+  np.testing.assert_allclose(
+      _run_nesterov(opt, lambda x, t: jnp.asarray(grad(np.asarray(x, np.float64),
+                                                       t), jnp.float32),
+                    x0, 10), want, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("kwargs", [{"delay": 1}, {"delay": -1, "num_stages": 2},

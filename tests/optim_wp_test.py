@@ -18,11 +18,22 @@ def _problem():
   return a, ys
 
 
-def _np_algorithm_3(option):
-  """SAPipe Algorithm 3 with momentum SGD, written out in float64."""
+def _np_sgd(buf, g):
+  """optax.sgd(LR, MU)'s step and new trace, in float64."""
+  buf = MU * buf + g
+  return -LR * buf, buf
+
+
+def _np_algorithm_3(option, opt=_np_sgd, opt_state=np.zeros(D),
+                    warmup="zeros"):
+  """SAPipe Algorithms 1 and 3 with `opt` (step, state) = opt(state, g).
+
+  `warmup="skip"` passes at the first call (Algorithm 1 line 6); "zeros"
+  feeds the empty ring's zeros through `opt`.
+  """
   a, ys = _problem()
   grad = lambda i, x, t: a[i].T @ (a[i] @ x - ys[t, i])  # pylint: disable=unnecessary-lambda-assignment
-  x, x_prev, buf = np.ones(D), np.ones(D), np.zeros(D)
+  x, x_prev = np.ones(D), np.ones(D)
   applied_prev = np.zeros(D)  # G_{t-2}
   local_prev, local_prev2 = np.zeros((N, D)), np.zeros((N, D))
   pending = np.zeros(D)  # G_{t-1}, in flight
@@ -38,11 +49,15 @@ def _np_algorithm_3(option):
         others = applied_prev - local_prev2[i] / N
         dx = x - x_prev
         g_hat = others + LAM * others * (others @ dx) + local_prev[i] / N
-      x_hat = x - LR * (MU * buf + g_hat) if t else x
+      # Line 11: the optimizer one step ahead, its state not kept.
+      x_hat = x + opt(opt_state, g_hat)[0] if t else x
       local[i] = grad(i, x_hat, t)
     applied, pending = pending, local.mean(0)
-    buf = MU * buf + applied
-    x_prev, x = x, x - LR * buf
+    if t == 0 and warmup == "skip":
+      step = np.zeros(D)
+    else:
+      step, opt_state = opt(opt_state, applied)
+    x_prev, x = x, x + step
     applied_prev, local_prev2, local_prev = applied, local_prev, local
     xs.append(x)
   return np.array(xs)
@@ -78,6 +93,49 @@ def test_options_match_numpy_algorithm_3(option):
                              atol=1e-5)
 
 
+B1, B2, EPS = 0.9, 0.999, 1e-8
+
+
+def _np_adam(state, g):
+  """optax.adam's step and new state (m, v, count), in float64."""
+  m, v, count = state
+  m, v, count = B1 * m + (1 - B1) * g, B2 * v + (1 - B2) * g * g, count + 1
+  m_hat, v_hat = m / (1 - B1 ** count), v / (1 - B2 ** count)
+  return -LR * m_hat / (np.sqrt(v_hat) + EPS), (m, v, count)
+
+
+@pytest.mark.parametrize("warmup", ["skip", "zeros"])
+@pytest.mark.parametrize("option", [1, 2, 3])
+def test_adam_options_match_numpy_algorithm_3(option, warmup):
+  kwargs = {} if warmup == "skip" else {"warmup": "zeros"}  # skip: default
+  wp = sp.optim.WeightPrediction(optax.adam(LR, B1, B2, EPS), option,
+                                 num_workers=N, lam=LAM, form="full", **kwargs)
+  want = _np_algorithm_3(option, _np_adam, (np.zeros(D), np.zeros(D), 0),
+                         warmup)
+  np.testing.assert_allclose(_jax_run(wp), want, rtol=2e-4, atol=1e-5)
+
+
+def test_skip_makes_adams_first_real_step_lr_sign_g():
+  wp = sp.optim.WeightPrediction(optax.adam(0.1), option=1)
+  x = jnp.array([1.0, -2.0])
+  state = wp.init(x)
+  steps = []
+  for g in ([4.0, -1.0], [4.0, -1.0]):
+    updates, state = jax.jit(wp.update)(jnp.array(g), state, x)
+    steps.append(np.asarray(updates))
+  np.testing.assert_array_equal(steps[0], [0.0, 0.0])  # "Pass"
+  np.testing.assert_allclose(steps[1], [-0.1, 0.1], rtol=1e-5)  # not 0.0744
+
+
+def test_skip_with_fresh_leaves_and_unknown_warmup_are_refused():
+  wp = sp.optim.WeightPrediction(optax.adam(0.1), option=1,
+                                 mask={"a": True, "b": False})
+  with pytest.raises(ValueError, match="warmup='skip' with fresh leaves"):
+    wp.init({"a": jnp.zeros(2), "b": jnp.zeros(2)})
+  with pytest.raises(ValueError, match="warmup='later' is invalid"):
+    sp.optim.WeightPrediction(optax.adam(0.1), option=1, warmup="later")
+
+
 def test_predict_runs_inner_adam_one_step_ahead_without_committing():
   adam = optax.adam(0.1)
   wp = sp.optim.WeightPrediction(adam, option=1)
@@ -97,7 +155,8 @@ def test_predict_runs_inner_adam_one_step_ahead_without_committing():
 
 def test_mask_predicts_and_delays_only_stale_leaves():
   mask = {"first": True, "last": False}
-  wp = sp.optim.WeightPrediction(optax.sgd(1.0), option=1, mask=mask)
+  wp = sp.optim.WeightPrediction(optax.sgd(1.0), option=1, mask=mask,
+                                 warmup="zeros")
   x = {"first": jnp.zeros(2), "last": jnp.zeros(3)}
   state = wp.init(x)
   assert state.ahead["last"] == optax.MaskedNode()  # nothing kept

@@ -3,12 +3,16 @@
 Stale gradients (PipeSGD), delay compensation (DC-ASGD, SAPipe eq. 1), weight
 prediction (SAPipe Algorithm 3, SpecTrain), HetPipe wave accumulation, the
 staleness-aware learning rate, SDPipe's variance-reduced Adam, SAPipe's
-partial-staleness solver and the asynchronous-pipeline Nesterov method. Chain them with any optax optimizer; none of them
-knows about pipelines.
+partial-staleness solver, the asynchronous-pipeline Nesterov method and
+basis rotation. Chain them with any optax optimizer; none of them knows
+about pipelines.
 """
 
 from stalepipe.optim._adam_variance import scale_by_variance_reduced_adam
 from stalepipe.optim._adam_variance import ScaleByVarianceReducedAdamState
+from stalepipe.optim._basis_rotation import basis_rotation_adam
+from stalepipe.optim._basis_rotation import scale_by_basis_rotation
+from stalepipe.optim._basis_rotation import ScaleByBasisRotationState
 from stalepipe.optim._delay_compensation import compensate
 from stalepipe.optim._delay_compensation import delay_compensation
 from stalepipe.optim._delay_compensation import DelayCompensationState
@@ -34,6 +38,7 @@ from stalepipe.optim._weight_prediction import WeightPrediction
 from stalepipe.optim._weight_prediction import WeightPredictionState
 
 __all__ = (
+    "basis_rotation_adam",
     "compensate",
     "delay_compensation",
     "delay_aware_momentum",
@@ -42,9 +47,11 @@ __all__ = (
     "PipeMare",
     "PipeMareState",
     "scale_by_async_nesterov",
+    "scale_by_basis_rotation",
     "scale_by_staleness",
     "scale_by_variance_reduced_adam",
     "ScaleByAsyncNesterovState",
+    "ScaleByBasisRotationState",
     "ScaleByStalenessState",
     "ScaleByVarianceReducedAdamState",
     "SpecTrain",

@@ -201,7 +201,7 @@ def delay_compensation(
   def init_fn(params):
     history = optax.EmptyState()
     if delay:
-      history = jax.tree.map(lambda p: _buffers.zeros_stack(p, delay), params)
+      history = _buffers.zeros_stacks(params, delay)
     mean_square = optax.EmptyState()
     if adaptive == "ema":
       mean_square = optax.tree.zeros_like(params)

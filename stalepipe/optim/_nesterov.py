@@ -26,7 +26,9 @@ def delay_aware_momentum(b1: float, delay: int, num_stages: int) -> float:
     \beta_1(\tau) = \beta_1 + \tau\, \frac{0.99 - \beta_1}{S}
 
   with :math:`\tau` the stage's delay (its weight versions minus one) and
-  :math:`S` the number of stages: the authors' `--adaptive_momentum`.
+  :math:`S` the number of stages: the authors' `--adaptive_momentum`
+  (github.com/PluralisResearch/AsyncPP, `main_with_runtime.py` lines
+  328-330; an option, off in their `run.bash`).
 
   Args:
     b1: :math:`\beta_1` without delay.
@@ -60,11 +62,15 @@ def scale_by_async_nesterov(
 ) -> optax.GradientTransformation:
   r"""Nesterov-accelerated Adam with a high, optionally delay-aware momentum.
 
-  The update the official code of Ajanthan et al. runs for its method
-  (`run.bash`: `--optimizer nadamw --momentum 0.99`, on PipeDream's
-  asynchronous schedule with weight stashing): NAdam (Dozat, 2016, in
-  PyTorch's form) with :math:`\beta_1` = 0.99. With :math:`t = 1, 2, \ldots`
-  and :math:`\psi` = `momentum_decay`:
+  The update the official code of Ajanthan et al.
+  (github.com/PluralisResearch/AsyncPP) runs for its method: `run.bash`
+  line 17 trains with `--momentum 0.99 --optimizer nadamw` on PipeDream's
+  asynchronous schedule with weight stashing, which builds `torch.optim.NAdam`
+  with betas `(0.99, 0.999)`, `momentum_decay` 0.004, eps 1e-8 and decoupled
+  weight decay (`main_with_runtime.py` lines 62-68 and 342-352,
+  `optim/nadamw.py` lines 12-25, `optim/optimizer.py` lines 48-49): NAdam
+  (Dozat, 2016, in PyTorch's form) with :math:`\beta_1` = 0.99. With
+  :math:`t = 1, 2, \ldots` and :math:`\psi` = `momentum_decay`:
 
   .. math::
     \mu_t = \beta_1 (1 - \tfrac12 \cdot 0.96^{t\psi}), \quad
@@ -80,14 +86,23 @@ def scale_by_async_nesterov(
   is where the paper corrects for the delay; with `delay` and `num_stages`
   given, :math:`\beta_1` is raised with the stage's delay
   (`delay_aware_momentum`, the code's `--adaptive_momentum`). Chain it after
-  the stale gradients and before `optax.scale_by_learning_rate(lr)`;
-  decoupled weight decay, as the code uses, goes with the config's
-  `weight_decay_mode="decoupled"`.
+  the stale gradients and before `optax.scale_by_learning_rate(lr)`. The
+  official configuration in full is
+  `optax.chain(optax.clip_by_global_norm(10.0), scale_by_async_nesterov(),
+  optax.add_decayed_weights(0.01), optax.scale_by_learning_rate(lr))` per
+  stage (`run.bash` line 12 clips each stage's gradient at 10,
+  `optim/optimizer.py` line 197; the weight decay default 0.01 is
+  `main_with_runtime.py` line 68; PyTorch's decoupled decay
+  :math:`x \leftarrow x (1 - \eta w)` before the step is the same as
+  `add_decayed_weights` before the learning rate); in a config,
+  `weight_decay_mode="decoupled"` and `grad_clip_norm=10.0`.
 
   The paper's own equations (its modified look-ahead step and the fixed-delay
-  analysis) could not be found with the search tool: only its abstract, a
-  blog introduction and the official code were reachable. This transform is
-  therefore the code's update, not a transcription of the paper's equations.
+  analysis) could not be read with the search tools: only its abstract, a
+  blog introduction, a reproducibility summary saying that the paper relies
+  on PyTorch's NAdam implementation, and the official code were reachable.
+  This transform is therefore the code's update, not a transcription of the
+  paper's equations; where those differ from PyTorch's NAdam is not known.
 
   Args:
     b1: :math:`\beta_1` (0.99 in the authors' runs).
@@ -113,9 +128,10 @@ def scale_by_async_nesterov(
   References:
     Ajanthan et al, `Nesterov Method for Asynchronous Pipeline Parallel
     Optimization <https://arxiv.org/abs/2505.01099>`_, ICML 2025, and its
-    code (github.com/sukrucildirr/AsyncPP: `run.bash`,
-    `main_with_runtime.py`); Dozat, `Incorporating Nesterov Momentum into
-    Adam <https://openreview.net/forum?id=OM0jvwB8jIp57ZJjtNEZ>`_, 2016.
+    official code (github.com/PluralisResearch/AsyncPP: `run.bash`,
+    `main_with_runtime.py`, `optim/nadamw.py`); Dozat, `Incorporating
+    Nesterov Momentum into Adam
+    <https://openreview.net/forum?id=OM0jvwB8jIp57ZJjtNEZ>`_, 2016.
   """
   if (delay is None) != (num_stages is None):
     raise ValueError(f"delay={delay!r} with num_stages={num_stages!r} is "

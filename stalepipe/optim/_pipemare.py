@@ -9,6 +9,8 @@ import optax
 
 from stalepipe.optim import _spectrain
 
+COUNT_FROM = (1, 0)  # T1's step index at the first update: AsyncPP's, or 0
+
 
 class PipeMareState(NamedTuple):
   """State of `PipeMare`."""
@@ -21,16 +23,23 @@ class PipeMareState(NamedTuple):
 class PipeMare:
   r"""PipeMare's two techniques around any optax optimizer.
 
-  T1, learning-rate rescheduling. At update :math:`t` (0-based) of a stage
-  whose gradient has forward delay :math:`\tau` (the `staleness` extra
+  T1, learning-rate rescheduling. At update :math:`t = 0, 1, \ldots` of a
+  stage whose gradient has forward delay :math:`\tau` (the `staleness` extra
   argument: updates of this stage between the forward's read and this
   update), the inner optimizer's update is scaled by
 
   .. math::
-    \tau^{-p_t}, \qquad p_t = 1 - \min(t / K, 1)
+    \tau^{-p_t}, \qquad p_t = 1 - \min\big((t + c) / K, 1\big)
 
-  so the stage's step size is annealed from :math:`\alpha / \tau` at the
-  first update to :math:`\alpha` after :math:`K` (`warmup_steps`) updates.
+  so the stage's step size is annealed from about :math:`\alpha / \tau` at
+  the first update to :math:`\alpha` after :math:`K` (`warmup_steps`)
+  updates. :math:`c` (`count_from`) is where the step index starts: 1 by
+  default, as the official AsyncPP code's PipeMare correction counts
+  (`adjust_learning_rate` divides the learning rate by
+  `(num_versions - 1) ** (1 - min((1 + step + epoch * epoch_length) /
+  (lr_correction_epoch * epoch_length), 1))`, so its first update already
+  has :math:`p = 1 - 1/K`); `count_from=0` gives :math:`p_0 = 1`, exactly
+  :math:`\alpha/\tau` at the first update.
   Scaling the update scales the learning rate of `optax.sgd` (with momentum)
   and `optax.adam(w)` exactly. :math:`\tau \le 1` or :math:`K = 0` leaves the
   update bit for bit unchanged.
@@ -72,17 +81,20 @@ class PipeMare:
     >>> pm = PipeMare(optax.sgd(1.0), warmup_steps=2, decay=0.5)
     >>> x = jnp.array([0.0])
     >>> state = pm.init(x)
-    >>> for _ in range(3):  # scales 4^-1, 4^-0.5, 4^0
+    >>> for _ in range(3):  # scales 4^-0.5, 4^0, 4^0 (p = 1 - (t + 1) / 2)
     ...   updates, state = pm.update(jnp.array([-1.0]), state, x, staleness=4)
     ...   x = optax.apply_updates(x, updates)
-    >>> float(x[0]), float(state.delta[0])  # 0.25 + 0.5 + 1
-    (1.75, 0.65625)
-    >>> float(pm.predict(state, x, since_forward=2)[0])  # 1.75 - 2 * 0.65625
-    0.4375
+    >>> float(x[0]), float(state.delta[0])  # 0.5 + 1 + 1
+    (2.5, 0.8125)
+    >>> float(pm.predict(state, x, since_forward=2)[0])  # 2.5 - 2 * 0.8125
+    0.875
 
   References:
     Yang et al, `PipeMare: Asynchronous Pipeline Parallel DNN Training
-    <https://arxiv.org/abs/1910.05124>`_, MLSys 2021 (techniques T1 and T2).
+    <https://arxiv.org/abs/1910.05124>`_, MLSys 2021 (techniques T1 and T2);
+    T1's step count as in the official code of Ajanthan et al.,
+    github.com/PluralisResearch/AsyncPP, `main_with_runtime.py` lines
+    661-663 (`adjust_learning_rate`).
   """
 
   def __init__(
@@ -91,6 +103,7 @@ class PipeMare:
       *,
       warmup_steps: int,
       decay: float,
+      count_from: int = 1,
   ):
     """Wraps `optimizer`.
 
@@ -100,6 +113,8 @@ class PipeMare:
         from :math:`\\alpha/\\tau` to :math:`\\alpha`; 0 turns T1 off.
       decay: :math:`\\gamma \\in [0, 1)` of T2's moving average; 0 keeps only
         the last update.
+      count_from: :math:`c`, T1's step index at the first update: 1 (the
+        official AsyncPP code) or 0.
     """
     _spectrain.check_optimizer(optimizer)
     if (not isinstance(warmup_steps, int) or isinstance(warmup_steps, bool)
@@ -110,7 +125,11 @@ class PipeMare:
         or not 0 <= decay < 1):
       raise ValueError(f"decay={decay!r} is invalid; valid: a number in "
                        "[0, 1)")
+    if isinstance(count_from, bool) or count_from not in COUNT_FROM:
+      raise ValueError(f"count_from={count_from!r} is invalid; valid: "
+                       f"{COUNT_FROM}")
     self._opt = optax.with_extra_args_support(optimizer)
+    self._count_from = count_from
     self._warmup_steps = warmup_steps
     self._decay = float(decay)
 
@@ -118,7 +137,8 @@ class PipeMare:
     """T1's :math:`\\tau^{-p_t}`, float32; exactly 1 once :math:`p_t = 0`."""
     if not self._warmup_steps:
       return jnp.ones([], jnp.float32)
-    power = 1 - jnp.minimum(count.astype(jnp.float32) / self._warmup_steps, 1)
+    t = count.astype(jnp.float32) + self._count_from
+    power = 1 - jnp.minimum(t / self._warmup_steps, 1)
     tau = jnp.maximum(jnp.asarray(staleness, jnp.float32), 1)
     return jnp.where(power == 0, 1, tau ** -power)
 

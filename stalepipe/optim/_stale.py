@@ -11,6 +11,7 @@ from stalepipe.optim import _buffers
 from stalepipe.optim import _ordering
 
 Delay = Union[int, chex.ArrayTree, Callable[[optax.Params], chex.ArrayTree]]
+WARMUPS = ("skip", "zeros")
 
 
 class StaleGradientsState(NamedTuple):
@@ -92,10 +93,7 @@ def stale_gradients(delay: Delay) -> optax.GradientTransformation:
     jax.tree.map(_check_delay, delay)
 
   def init_fn(params):
-    delays = leaf_delays(delay, params)
-    buffer = jax.tree.map(
-        lambda d, p: _buffers.zeros_stack(p, d) if d else _buffers.absent(),
-        delays, params)
+    buffer = _buffers.zeros_stacks(params, leaf_delays(delay, params))
     return StaleGradientsState(count=jnp.zeros([], jnp.int32), buffer=buffer)
 
   def update_fn(updates, state, params=None):
@@ -124,14 +122,37 @@ def stale_gradients(delay: Delay) -> optax.GradientTransformation:
   return optax.GradientTransformation(init_fn, update_fn)
 
 
+def run_or_pass(
+    ready: chex.Array,
+    run: Callable[[], tuple[optax.Updates, optax.OptState]],
+    grads: optax.Updates,
+    inner_state: optax.OptState,
+) -> tuple[optax.Updates, optax.OptState]:
+  """`run()` when `ready`, else SAPipe's "Pass": zero updates, state kept.
+
+  Args:
+    ready: a boolean scalar (may be traced).
+    run: the optimizer call, returning its updates and new state.
+    grads: a tree like the updates; a pass returns it times zero (in the
+      updates' dtypes, shardings kept), which XLA writes in place where
+      fresh zeros would be copied.
+    inner_state: the optimizer state returned unchanged by a pass.
+
+  Returns:
+    The updates and the optimizer state.
+  """
+  def skip():
+    shapes = jax.eval_shape(run)[0]
+    return jax.tree.map(lambda g, s: (g * 0).astype(s.dtype), grads,
+                        shapes), inner_state
+  return jax.lax.cond(ready, run, skip)
+
+
 class StaleOptimizerState(NamedTuple):
   """State of `stale_optimizer`."""
 
   stale: StaleGradientsState  # the gradients in flight.
   inner_state: optax.OptState  # the wrapped optimizer's state.
-
-
-WARMUPS = ("skip", "zeros")
 
 
 def stale_optimizer(
@@ -203,12 +224,8 @@ def stale_optimizer(
     if warmup == "zeros" or delay == 0:
       step, inner_state = run()
     else:
-      def skip():
-        shapes = jax.eval_shape(run)[0]
-        zeros = jax.tree.map(lambda z, s: z.astype(s.dtype),
-                             optax.tree.zeros_like(stale), shapes)
-        return zeros, state.inner_state
-      step, inner_state = jax.lax.cond(state.stale.count >= delay, run, skip)
+      step, inner_state = run_or_pass(state.stale.count >= delay, run, stale,
+                                      state.inner_state)
     return step, StaleOptimizerState(ring_state, inner_state)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

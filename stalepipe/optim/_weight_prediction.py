@@ -52,7 +52,18 @@ class WeightPrediction:
   (SAPipe numbers iterations from 1 and calls :math:`\ell_{t-1}` its
   :math:`g_{i,t}`.) Before the first update :math:`\hat x = x`; gradients
   that do not exist yet are zeros. Option 3 with `lam=0` is option 3 without
-  DC. With `mask`, only the masked leaves are stale and predicted (SAPipe
+  DC.
+
+  Warm-up: at the first call no synchronised gradient has arrived, and
+  SAPipe's Algorithms 1 and 3 "Pass": `warmup="skip"` (the default) does not
+  call the optimizer then (no update; its counters and moments start with the
+  first real gradient, so Adam's first real step is exactly
+  :math:`\eta\,\mathrm{sign}(G_0)`), and the first look-ahead runs from the
+  optimizer's initial state at :math:`x_0`. `warmup="zeros"` feeds the zero
+  gradient through the optimizer instead, as `stale_gradients(1)` chained
+  before it does (PipeSGD): the same for SGD with or without momentum, but
+  Adam's first real step is then 0.744 lr and weight decay acts at the
+  first call. With `mask`, only the masked leaves are stale and predicted (SAPipe
   applies both to the first k layers only); the others get the fresh
   synchronised gradient and :math:`\hat x = x`.
 
@@ -96,7 +107,7 @@ class WeightPrediction:
     [0.64, -1.28]
 
   References:
-    Chen et al, SAPipe (seed 004) §3.2 and Algorithm 3, 2022.
+    Chen et al, SAPipe (seed 004) §3.2 and Algorithms 1 and 3, 2022.
   """
 
   def __init__(
@@ -110,6 +121,7 @@ class WeightPrediction:
       adaptive: Optional[str] = None,
       eps: float = 1e-7,
       mask: Optional[Any] = None,
+      warmup: str = "skip",
   ):
     """Wraps `optimizer`.
 
@@ -123,6 +135,10 @@ class WeightPrediction:
       eps: :math:`\\epsilon` of the adaptive form.
       mask: a pytree of bools like the params (or a callable returning one):
         the stale, predicted leaves; `None` makes every leaf stale.
+      warmup: `"skip"` (SAPipe's "Pass" at the first call) or `"zeros"`
+        (the zero gradient goes through the optimizer, PipeSGD). With fresh
+        leaves in `mask` only `"zeros"` is valid: one optimizer's counters
+        are shared by all its leaves, and the fresh ones have a gradient.
     """
     if option not in OPTIONS:
       raise ValueError(f"option={option!r} is invalid; valid: {OPTIONS}")
@@ -133,7 +149,11 @@ class WeightPrediction:
     if adaptive == "ema":
       raise ValueError("adaptive='ema' is invalid here; valid: None or "
                        "'current'")
+    if warmup not in _stale.WARMUPS:
+      raise ValueError(f"warmup={warmup!r} is invalid; valid: "
+                       f"{_stale.WARMUPS}")
     self._opt = optax.with_extra_args_support(optimizer)
+    self._warmup = warmup
     self._option = option
     self._num_workers = num_workers
     self._dc = dict(lam=lam, form=form, adaptive=adaptive, eps=eps)
@@ -166,6 +186,9 @@ class WeightPrediction:
     # Fresh buffers per field (no aliasing of params), so states can be donated.
     zeros = lambda: optax.tree.zeros_like(params)  # pylint: disable=unnecessary-lambda-assignment
     delays = jax.tree.map(int, self._stale_mask(params))
+    if self._warmup == "skip" and not all(jax.tree.leaves(delays)):
+      raise ValueError("warmup='skip' with fresh leaves in mask is invalid; "
+                       "valid: warmup='zeros' (or no mask)")
     return WeightPredictionState(
         count=jnp.zeros([], jnp.int32),
         inner_state=self._opt.init(params),
@@ -223,8 +246,14 @@ class WeightPrediction:
                            stale, updates, state.in_flight.buffer)
     if self._option == 2:  # so that `ahead` depends on this call's gradient
       applied = _ordering.computed_after(applied, updates)
-    step, inner_state = self._opt.update(applied, state.inner_state, params,
-                                         **extra_args)
+    def run():
+      return self._opt.update(applied, state.inner_state, params, **extra_args)
+
+    if self._warmup == "zeros":
+      step, inner_state = run()
+    else:
+      step, inner_state = _stale.run_or_pass(state.count > 0, run, applied,
+                                             state.inner_state)
     if self._option == 1:
       g_hat = local
     elif self._option == 2:
