@@ -2,7 +2,8 @@ r"""PipeMare: asynchronous 1F1B without weight stashing, rescheduled and correct
 
 No stash (as `configs/spectrain.py`): forwards and backwards read their
 stage's latest weights. PipeMare (T1) scales each stage's step by its delay
-tau to the power -(1 - t/K) over the first K updates, and (T2) gives the
+tau to the power -(1 - (t+1)/K) over the first K updates (t from 0, counted
+from 1 as AsyncPP does), and (T2) gives the
 backward the weights extrapolated back to its forward's,
 `w - (tau_fwd - tau_bkwd) delta`, delta an EMA of the applied updates
 (`stalepipe.optim.PipeMare`; docs/optim.md says which parts could be checked
