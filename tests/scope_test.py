@@ -130,3 +130,22 @@ def test_unknown_scope_is_refused():
   schedule = sp.schedules.make("1f1b", num_stages=2, num_microbatches=2)
   with pytest.raises(ValueError, match="valid: auto, model, stage"):
     scope.resolve("global", optax.sgd(0.1), schedule)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["timeprest", "zb-async"])
+def test_whole_model_rule_on_a_stale_schedule_equals_the_oracle(name):
+  S = 3
+  staged = sp.models.split(sp.models.mlp(8, 6, S - 1, 4, seed=1), S)
+  schedule = sp.schedules.make(name, num_stages=S, num_microbatches=S,
+                               num_minibatches=2)
+  mesh = jax.make_mesh((1, S), ("data", "stage"))
+  pipe = executor.Pipeline(staged.stage_fns, cross_entropy, schedule, _clip(),
+                           mesh)
+  ref = reference.Pipeline(staged.stage_fns, cross_entropy, schedule, _clip())
+  assert pipe.optimizer_scope == "model"
+  state, rstate = pipe.init(staged.stage_params), ref.init(staged.stage_params)
+  for x, y in _windows(3, 2, S, 2):
+    state, _ = pipe.step(state, x, y)
+    rstate, _ = ref.step(rstate, x, y)
+  _close(pipe.params(state), ref.params(rstate))

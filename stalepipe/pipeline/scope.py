@@ -107,7 +107,9 @@ def resolve(scope: str, optimizer, schedule) -> str:
                      "prediction is not supported; valid: "
                      "optimizer_scope='stage' (each stage's own tree)")
   try:
-    program.compile_program(schedule.together())
+    together = schedule.together()
+    program.compile_program(together)
+    _check_one_staleness(together)
   except ValueError as e:
     raise ValueError(
         f"{why}, but schedule {schedule.name!r} cannot apply a minibatch's "
@@ -117,6 +119,19 @@ def resolve(scope: str, optimizer, schedule) -> str:
         "optimizer_scope='stage' to run the rule on each stage's own tree"
     ) from e
   return "model"
+
+
+def _check_one_staleness(schedule) -> None:
+  """Every stage's gradient of a minibatch is computed on, and applied
+  after, the same number of its stage's updates: the whole model's update
+  rule gets one `staleness` and one version of `stale_params`."""
+  stream = schedule.with_minibatches(4 * schedule.num_minibatches)
+  for p in range(stream.num_minibatches):
+    seen = {(stream.update_version(s, p) - stream.forward_version(s, p),
+             stream.update_version(s, p) - stream.gradient_version(s, p))
+            for s in range(stream.num_stages)}
+    if len(seen) > 1:
+      raise ValueError(f"minibatch {p}'s stages differ in staleness {seen}")
 
 
 def init_states(optimizer, scope: str, stage_params) -> list:
