@@ -16,6 +16,7 @@ optimizer step's seconds.
 """
 
 import dataclasses
+import functools
 import math
 from typing import Sequence
 
@@ -160,10 +161,15 @@ class Cluster:
   def link(self, a: Device, b: Device) -> Link:
     return self.intra if a.node == b.node else self.inter
 
+  @functools.cached_property
+  def nodes(self) -> np.ndarray:
+    """`[pipelines, stages]` the node of each device."""
+    return np.array([[d.node for d in row] for row in self.devices])
+
   def group_link(self, stage: int, pipelines: Sequence[int]) -> Link:
     """The (slowest) link a group of one stage's devices all-reduces over."""
-    nodes = {self.devices[i][stage].node for i in pipelines}
-    return self.intra if len(nodes) == 1 else self.inter
+    nodes = self.nodes[np.asarray(pipelines), stage]
+    return self.intra if nodes.min() == nodes.max() else self.inter
 
 
 @dataclasses.dataclass(frozen=True)

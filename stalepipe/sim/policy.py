@@ -40,7 +40,8 @@ class SyncOutcome(NamedTuple):
   """What one sync of one stage after one minibatch did."""
 
   applied: np.ndarray  # [N] time the new version is in place per pipeline
-  groups: tuple[np.ndarray, ...] = ()  # pipelines that averaged together
+  groups: tuple[np.ndarray, ...] | np.ndarray = ()  # disjoint sets of
+  #   pipelines that averaged together (or one [groups, size] array)
   comm: tuple[CommEvent, ...] = ()
 
 
@@ -235,18 +236,16 @@ class _ADPSGDRunner(Runner):
 
   def __init__(self, ctx):
     super().__init__(ctx)
-    nodes = np.array([[d.node for d in row] for row in ctx.cluster.devices])
-    self.nodes = nodes.T  # [S, N]
+    self.nodes = ctx.cluster.nodes.T  # [S, N]
     self.seconds = {same: [cluster_lib.ring_allreduce_seconds(
         b, 2, ctx.cluster.intra if same else ctx.cluster.inter)
                            for b in ctx.costs.param_bytes]
                     for same in (False, True)}
 
   def sync(self, stage, minibatch, ready):
-    pairs = [p for p in random_pairs(len(ready), self.ctx.rng) if len(p) == 2]
-    if not pairs:
+    pairs = random_pairs(len(ready), self.ctx.rng, matched_only=True)
+    if not len(pairs):
       return SyncOutcome(applied=ready)
-    pairs = np.stack(pairs)
     start = ready[pairs].max(axis=1)
     nodes = self.nodes[stage][pairs]
     end = start + np.where(nodes[:, 0] == nodes[:, 1],
@@ -255,7 +254,7 @@ class _ADPSGDRunner(Runner):
     applied = ready.copy()
     applied[pairs] = end[:, None]
     event = CommEvent(pairs.ravel(), np.repeat(start, 2), np.repeat(end, 2))
-    return SyncOutcome(applied, tuple(pairs), (event,))
+    return SyncOutcome(applied, pairs, (event,))
 
 
 @dataclasses.dataclass(frozen=True)
