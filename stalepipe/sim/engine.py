@@ -188,7 +188,10 @@ def simulate(schedule: core.Schedule, cluster: cluster_lib.Cluster,
       for the number of minibatches to simulate.
     cluster: `[pipelines][stages]` devices and links.
     costs: per-stage costs on the reference device.
-    policy: a sync policy (`bsp()`, `wsp(D, N_m)`, `sdpipe(P, T)`, ...);
+    policy: a sync policy: one of `stalepipe.sync` over the cluster's
+      pipelines (`sp.sync.wsp(N, clock_distance=D, concurrent_minibatches=
+      N_m)`, ...: the same object the executors run), or a time-only one
+      (`bsp()`, `wsp(D, N_m)`, `sdpipe(P, T)`, `parameter_server()`, ...);
       default `isolated()`.
     perturbations: `Stragglers` and `Trace`s; delays add, multipliers
       multiply.
@@ -294,7 +297,7 @@ def start_run(schedule: core.Schedule, cluster: cluster_lib.Cluster,
   if cluster.num_stages != S or costs.num_stages != S:
     raise ValueError(f"cluster has {cluster.num_stages} stages and costs "
                      f"{costs.num_stages}; the schedule has {S}")
-  policy = policy or policy_lib.isolated()
+  policy = policy_lib.time_side(policy or policy_lib.isolated(), N)
   straggler_rng, policy_rng = np.random.default_rng(seed).spawn(2)
   delay, multiplier = stragglers_lib.slowdowns(perturbations, (B, N, S),
                                                straggler_rng)

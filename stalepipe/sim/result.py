@@ -166,6 +166,12 @@ class SimResult:
     return events
 
   @property
+  def ready_times(self) -> np.ndarray:
+    """`[B, S, N]` when each worker's own update was done (its ready signal):
+    the trace `stalepipe.sync.sdpipe(..., ready_times=)` replays."""
+    return self.applied_local.transpose(1, 0, 2)
+
+  @property
   def applied_local(self) -> np.ndarray:
     """`[S, B, N]` when each stage's own update of each minibatch finished."""
     return self.extras["local_update_end"]

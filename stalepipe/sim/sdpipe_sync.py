@@ -83,6 +83,7 @@ class SDPipe:
       connected (seed 002 §5.1 uses 10).
     window: T in seconds, how long a group stays open (seed 002 §5.1 uses
       1/N of the iteration time); `math.inf` degrades to all-reduce.
+    enforce: validate connectivity (§3.4); off, replicas may drift apart.
 
   References:
     Miao et al, SDPipe: A Semi-Decentralized Framework for Heterogeneity-aware
@@ -92,6 +93,7 @@ class SDPipe:
 
   history: int
   window: float
+  enforce: bool = True
   name = "sdpipe"
 
   def __post_init__(self):
@@ -103,14 +105,21 @@ class SDPipe:
                        "seconds")
 
   def start(self, ctx: policy.Context) -> policy.Runner:
-    return _SDPipeRunner(ctx, self.history, self.window)
+    return _SDPipeRunner(ctx, self.history, self.window, self.enforce)
 
 
-def sdpipe(history: int = 10, window: float = math.inf) -> SDPipe:
+def sdpipe(history: int = 10, window: float = math.inf,
+           enforce: bool = True) -> SDPipe:
   """SDPipe with connectivity budget P=`history` and window T=`window` seconds.
+
+  Time only; `stalepipe.sync.sdpipe(N, history, window)` is the same policy
+  with its numerics, and `simulate` takes it as it is.
 
   Examples:
     >>> sdpipe(10, 0.05).window
     0.05
   """
-  return SDPipe(history, window)
+  return SDPipe(history, window, enforce)
+
+
+policy.TIME_SIDES["sdpipe"] = lambda p: SDPipe(p.history, p.window, p.enforce)
