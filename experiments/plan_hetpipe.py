@@ -3,7 +3,7 @@
 For VGG-19 and ResNet-152 (analytic profiles, `stalepipe.plan.analytic`) on
 HetPipe's cluster (4 nodes x 4 GPUs of the Table 1 types), this plans every
 virtual worker with `stalepipe.plan` and times HetPipe's schedule with WSP
-(D = 0) in `stalepipe.sim`:
+(D = 0) in `stalepipe.sim`, the plan simulated as it is (`sp.sim.from_plan`):
 
 1. NP / ED / HD (Table 3 allocations, seed 001 Figure 5 setting);
 2. adding whimpy GPUs, ED-local (Table 4): 4[V], 4[VR], 4[VRQ], 4[VRQG].
@@ -62,38 +62,18 @@ def cluster_of(types: str) -> sp.plan.Cluster:
                                for t in types))
 
 
-def simulate(plans, concurrent: int, ps_local: bool) -> float:
-  """Steady images/s of HetPipe + WSP(D=0) over the virtual workers' plans.
-
-  The simulator shares one cost table among pipelines and scales it by
-  per-device speed, so each stage's reference cost is (1, 2) seconds
-  (backward = 2 x forward in the analytic profiles) and a device's speed is
-  1 / its forward seconds: exact per pipeline. Activation and parameter bytes
-  are per stage only; where partitions differ (NP, HD) the largest over the
-  virtual workers is used.
-  """
-  k = len(plans[0].devices)
-  costs = sp.sim.StageCosts(
-      forward=(1.0,) * k, backward=(2.0,) * k,
-      activation_bytes=tuple(max(p.activation_bytes[s] for p in plans)
-                             for s in range(k)),
-      param_bytes=tuple(max(p.param_bytes[s] for p in plans)
-                        for s in range(k)),
-      samples_per_microbatch=BATCH)
-  rows = tuple(tuple(sp.sim.Device(name=d.spec.name, speed=1.0 / f,
-                                   memory_bytes=d.spec.memory_bytes,
-                                   node=d.node)
-                     for d, f in zip(p.devices, p.forward_s)) for p in plans)
-  net = dev.HETPIPE_NETWORK
-  intra = sp.sim.Link(net.intra_bandwidth, net.intra_latency)
-  inter = sp.sim.Link(net.inter_bandwidth, net.inter_latency)
-  cluster = sp.sim.Cluster(rows, intra=intra, inter=inter,
-                           ps=intra if ps_local else inter)
-  schedule = sp.schedules.make("hetpipe", num_stages=k, num_microbatches=1,
+def simulate(planned, ps_local: bool) -> float:
+  """Steady images/s of HetPipe + WSP(D=0) over the virtual workers' plans."""
+  cluster, costs = sp.sim.from_plan(planned, ps="intra" if ps_local else "inter",
+                                    samples_per_microbatch=BATCH)
+  concurrent = planned.concurrent
+  schedule = sp.schedules.make("hetpipe", num_stages=cluster.num_stages,
+                               num_microbatches=1,
                                num_minibatches=WAVES * concurrent,
                                concurrent_minibatches=concurrent)
-  result = sp.sim.simulate(schedule, cluster, costs,
-                           sp.sim.wsp(0, concurrent))
+  wsp = sp.sync.wsp(cluster.num_pipelines, clock_distance=0,
+                    concurrent_minibatches=concurrent)
+  result = sp.sim.simulate(schedule, cluster, costs, wsp)
   return result.steady_samples_per_second(skip=2 * concurrent)
 
 
@@ -104,7 +84,7 @@ def best_run(cluster, policy, profiles, ps_local):
   for concurrent in range(1, base.concurrent + 1):
     planned = sp.plan.plan_cluster(cluster, policy, profiles,
                                    concurrent=concurrent, limit=MAX_NM)
-    rate = simulate(planned.plans, concurrent, ps_local)
+    rate = simulate(planned, ps_local)
     if best is None or rate > best[0]:
       best = (rate, planned)
   return best[0], best[1], base.max_concurrent

@@ -5,12 +5,13 @@ For VGG-19 and ResNet-152 at batch 32 (seed 001 §8.1), on the GPU sets 4[V],
 
 - Single GPU [V]: one TITAN V, no sync.
 - Horovod: one full model per GPU, ring all-reduce of all parameters every
-  iteration (`sp.sim.bsp()`), every GPU at batch 32, so the slowest GPU sets
+  iteration (`sp.sync.bsp`), every GPU at batch 32, so the slowest GPU sets
   the pace; a GPU whose memory cannot hold the model makes the column "X".
 - HetPipe (ED-local): four virtual workers, each with one GPU of every node
   (one VW of 4 V for "4 GPUs"), partitioned by `sp.plan.partition` at the
-  paper's N_m, running the `hetpipe` schedule under WSP with D = 0
-  (`sp.sim.wsp`), each stage's parameter-server shard on its own node.
+  paper's N_m and simulated from that plan (`sp.sim.from_plan`), running the
+  `hetpipe` schedule under WSP with D = 0 (`sp.sync.wsp`), each stage's
+  parameter-server shard on its own node.
 
 Cost model (shared with `stalepipe.plan.analytic`): per-block FLOPs from the
 published architectures, backward = 2 x forward, a device's rate = peak FP32
@@ -61,15 +62,12 @@ def profiles_for(model):
           for t in dev.TABLE1.values()}
 
 
-def links(bandwidth=None):
-  """(intra, inter, ps) sim links and the plan's Network."""
+def network(bandwidth=None):
+  """Seed 001 §8.1's links, or every link at `bandwidth` (20 us)."""
   if bandwidth is None:
-    intra, inter = sp.sim.Link(15.75e9, 10e-6), sp.sim.Link(56e9 / 8, 20e-6)
-  else:
-    intra = inter = sp.sim.Link(bandwidth, 20e-6)
-  network = dev.Network(intra.bandwidth, inter.bandwidth, intra.latency,
-                        inter.latency)
-  return intra, inter, network
+    return dev.HETPIPE_NETWORK
+  link = sp.plan.Link(bandwidth, 20e-6)
+  return dev.Network.of(link, link)
 
 
 def single(profiles):
@@ -85,23 +83,24 @@ def horovod(profiles, types, bandwidth=None):
     need = sp.plan.stage_memory(profiles[t], 0, blocks, 0, 1)
     if need > usable(dev.TABLE1[t]).memory_bytes:
       return None
-  intra, inter, _ = links(bandwidth)
+  net = network(bandwidth)
   rows = tuple((sp.sim.Device(t, dev.TABLE1[t].tflops / dev.TITAN_V.tflops,
                               node=i),)
                for i, t in enumerate(types) for _ in range(4))
-  cluster = sp.sim.Cluster(rows, intra=intra, inter=inter, ps=inter)
+  cluster = sp.sim.Cluster(rows, intra=net.intra, inter=net.inter,
+                           ps=net.inter)
   costs = sp.sim.StageCosts((sum(ref.forward_s),), (sum(ref.backward_s),),
                             param_bytes=(sum(ref.param_bytes),),
                             samples_per_microbatch=BATCH)
   s = sp.schedules.make("gpipe", num_stages=1, num_microbatches=1,
                         num_minibatches=MINIBATCHES // 8)
-  r = sp.sim.simulate(s, cluster, costs, sp.sim.bsp())
+  r = sp.sim.simulate(s, cluster, costs, sp.sync.bsp(cluster.num_pipelines))
   return r.steady_samples_per_second(skip=5)
 
 
 def hetpipe(profiles, types, total_nm, bandwidth=None):
   """(images/s, N_m used, plan) of HetPipe ED-local with WSP D=0."""
-  intra, inter, network = links(bandwidth)
+  net = network(bandwidth)
   workers = 1 if types == "V" else 4
   concurrent = total_nm // workers
   if types == "V":
@@ -111,25 +110,20 @@ def hetpipe(profiles, types, total_nm, bandwidth=None):
   while True:
     try:
       plan = sp.plan.partition(profiles, vw, concurrent=concurrent,
-                               network=network)
+                               network=net)
       break
     except sp.plan.InfeasiblePlanError:
       concurrent -= 1
-  S = len(plan.devices)
-  rows = tuple(tuple(sp.sim.Device(d.spec.name, 1.0, d.spec.memory_bytes,
-                                   d.node) for d in plan.devices)
-               for _ in range(workers))
-  cluster = sp.sim.Cluster(rows, intra=intra, inter=inter, ps=intra,
-                           ps_shared=False)
-  costs = sp.sim.StageCosts(plan.forward_s, plan.backward_s,
-                            activation_bytes=plan.activation_bytes,
-                            param_bytes=plan.param_bytes,
-                            samples_per_microbatch=BATCH)
+  cluster, costs = sp.sim.from_plan(plan, num_pipelines=workers,
+                                    network=net, ps="intra", ps_shared=False,
+                                    samples_per_microbatch=BATCH)
+  S = cluster.num_stages
   short = sp.schedules.make("hetpipe", num_stages=S, num_microbatches=1,
                             num_minibatches=8 * concurrent + 8,
                             concurrent_minibatches=concurrent)
   s = sp.sim.tile(short, MINIBATCHES)
-  policy = sp.sim.isolated() if workers == 1 else sp.sim.wsp(0, concurrent)
+  policy = sp.sim.isolated() if workers == 1 else sp.sync.wsp(
+      workers, clock_distance=0, concurrent_minibatches=concurrent)
   r = sp.sim.simulate(s, cluster, costs, policy)
   order = "".join(d.spec.name for d in plan.devices)
   return (r.steady_samples_per_second(skip=4 * concurrent),

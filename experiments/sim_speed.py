@@ -1,132 +1,207 @@
-"""Simulator speed: 64 workers x 1,000 iterations; cost vs iterations x workers.
+"""Simulator speed at cluster scale: every sync policy, up to 4,096 workers.
 
-Runs on one CPU core (the process pins itself to core 0). Times `simulate`
-alone; building the schedule (by tiling a short one, `sp.sim.tile`) is timed
-apart. Each point is the best of `--repeats` runs, since the machine is shared.
+Times `sp.sim.simulate` of a tiled 1F1B (4 stages, 4 micro-batches, hete-A
+stragglers) on `P` pipelines x 4 stages:
+
+- the table: 256 pipelines (1,024 workers) x `--minibatches` (10,000) for
+  BSP, WSP (D=0, N_m=4), SDPipe (P=10, T=10 ms), AD-PSGD and local SGD (H=8);
+- the curve: 4 to 1,024 pipelines (16 to 4,096 workers) x
+  `--curve_minibatches` (1,000), every policy.
+
+Each point runs in its own process pinned to one core (`taskset -c
+--core`), and times `simulate` alone (the schedule is tiled first). With
+`--before=DIR` (a `git worktree` of another commit) every point is also run
+with that tree's `stalepipe`, the two sides interleaved repeat by repeat;
+the JSON holds every run and the medians. Figures go to `--png` only when
+it is given.
 
 Usage:
-  .venv/bin/python experiments/sim_speed.py [--repeats 3] \
-      [--png docs/figures/sim_speed.png]
+  git worktree add --detach /tmp/sim_before <commit>
+  .venv/bin/python experiments/sim_speed.py --out_dir=/tmp/sim_speed \\
+      --before=/tmp/sim_before [--repeats=3] [--png=docs/figures/sim_speed.png]
 """
 
-import argparse
+import json
 import os
+import statistics
+import subprocess
+import sys
 import time
 
-import numpy as np
+from absl import app
+from absl import flags
 
-import stalepipe as sp
+_OUT_DIR = flags.DEFINE_string("out_dir", "/tmp/sim_speed",
+                               "Directory for sim_speed.json.")
+_BEFORE = flags.DEFINE_string("before", None, "A worktree to time as "
+                              "'before' (its stalepipe), interleaved.")
+_REPEATS = flags.DEFINE_integer("repeats", 3, "Runs per point of the table.")
+_CURVE_REPEATS = flags.DEFINE_integer("curve_repeats", 1,
+                                      "Runs per point of the curve.")
+_MINIBATCHES = flags.DEFINE_integer("minibatches", 10_000,
+                                    "Minibatches in the table.")
+_CURVE_MINIBATCHES = flags.DEFINE_integer("curve_minibatches", 1_000,
+                                          "Minibatches on the curve.")
+_CURVE_PIPELINES = flags.DEFINE_list("curve_pipelines",
+                                     ["4", "16", "64", "256", "1024"],
+                                     "Pipelines (x 4 stages) on the curve.")
+_POLICIES = flags.DEFINE_list("policies", ["bsp", "wsp", "sdpipe", "ad_psgd",
+                                           "local_sgd"], "Policies to time.")
+_CORE = flags.DEFINE_integer("core", 0, "The core every run is pinned to.")
+_PNG = flags.DEFINE_string("png", None, "Where to draw the curve, if given.")
+_MEASURE = flags.DEFINE_string("measure", None, "Internal: policy,pipelines,"
+                               "minibatches to time in this process.")
 
 STAGES, MICRO = 4, 4
-COSTS = sp.sim.StageCosts.uniform(STAGES, 0.01, 0.02, param_bytes=25e6,
-                                  activation_bytes=4e6,
-                                  samples_per_microbatch=8)
+TABLE_PIPELINES = 256
 
 
-def schedule(name, iterations, **kw):
-  short = sp.schedules.make(name, num_stages=STAGES, num_microbatches=MICRO,
-                            num_minibatches=24, **kw)
-  return sp.sim.tile(short, iterations)
+def measure(policy_name: str, pipelines: int, minibatches: int) -> dict:
+  """Times one simulation with the `stalepipe` on this process's path."""
+  import stalepipe as sp  # pylint: disable=g-import-not-at-top
+  costs = sp.sim.StageCosts.uniform(STAGES, 0.01, 0.02, param_bytes=25e6,
+                                    activation_bytes=4e6,
+                                    samples_per_microbatch=8)
+  short = sp.schedules.make("1f1b", num_stages=STAGES, num_microbatches=MICRO,
+                            num_minibatches=24)
+  schedule = sp.sim.tile(short, minibatches)
+  cluster = sp.sim.Cluster.grid(pipelines, STAGES, devices_per_node=8)
+  policy = {"bsp": lambda: sp.sim.bsp(), "wsp": lambda: sp.sim.wsp(0, 4),
+            "sdpipe": lambda: sp.sim.sdpipe(10, 0.01),
+            "ad_psgd": lambda: sp.sim.ad_psgd(),
+            "local_sgd": lambda: sp.sim.local_sgd(8)}[policy_name]()
+  wall, cpu = time.perf_counter(), time.process_time()
+  result = sp.sim.simulate(schedule, cluster, costs, policy,
+                           perturbations=[sp.sim.hete("A")], seed=0)
+  return {"seconds": time.perf_counter() - wall,
+          "cpu_seconds": time.process_time() - cpu,
+          "samples_per_second": result.samples_per_second,
+          "makespan": result.makespan, "stalepipe": sp.__file__}
 
 
-def best_time(fn, repeats):
-  times = []
-  for _ in range(repeats):
-    t = time.perf_counter()
-    out = fn()
-    times.append(time.perf_counter() - t)
-  return min(times), out
+def run_point(side: str, source: str, policy: str, pipelines: int,
+              minibatches: int) -> dict:
+  """`measure` in a fresh process on `--core`, with `source` on the path."""
+  env = dict(os.environ, PYTHONPATH=source)
+  out = subprocess.run(
+      ["taskset", "-c", str(_CORE.value), sys.executable,
+       os.path.abspath(__file__),
+       f"--measure={policy},{pipelines},{minibatches}"],
+      env=env, cwd="/", check=True, capture_output=True, text=True)
+  record = json.loads(out.stdout.strip().splitlines()[-1])
+  record.update(side=side, policy=policy, pipelines=pipelines,
+                workers=pipelines * STAGES, minibatches=minibatches)
+  print(f"  {side:6s} {policy:9s} {pipelines * STAGES:5d} workers x "
+        f"{minibatches:6d}: {record['seconds']:7.2f} s", flush=True)
+  return record
 
 
-def main():
-  parser = argparse.ArgumentParser()
-  parser.add_argument("--repeats", type=int, default=3)
-  parser.add_argument("--png", default="docs/figures/sim_speed.png")
-  args = parser.parse_args()
-  os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})
+def sweep(points, repeats: int, sides: dict) -> list:
+  """Every point `repeats` times, the sides interleaved within each."""
+  runs = []
+  for r in range(repeats):
+    for policy, pipelines, minibatches in points:
+      for side, source in sides.items():
+        runs.append(dict(run_point(side, source, policy, pipelines,
+                                   minibatches), repeat=r))
+  return runs
 
-  print("## 16 pipelines x 4 stages = 64 workers, 1,000 iterations, M = 4")
-  cluster = sp.sim.Cluster.grid(16, STAGES, devices_per_node=8)
-  hete = [sp.sim.hete("A")]
-  t_build, s_1f1b = best_time(lambda: schedule("1f1b", 1000), 1)
-  t_build_h, s_het = best_time(
-      lambda: sp.sim.tile(sp.schedules.make(
-          "hetpipe", num_stages=STAGES, num_microbatches=1, num_minibatches=24,
-          concurrent_minibatches=4), 1000), 1)
-  print(f"schedule build (tile): 1f1b {t_build:.2f} s, hetpipe "
-        f"{t_build_h:.2f} s; tasks per pipeline: {len(s_1f1b.tasks)}")
-  print("| schedule | policy | stragglers | simulate (s) | samples/s |")
-  print("|---|---|---|---|---|")
-  runs = [("1f1b", s_1f1b, sp.sim.bsp()), ("1f1b", s_1f1b, sp.sim.ad_psgd()),
-          ("1f1b", s_1f1b, sp.sim.sdpipe(10, 0.01)),
-          ("1f1b", s_1f1b, sp.sim.local_sgd(8)),
-          ("hetpipe", s_het, sp.sim.wsp(0, 4))]
-  for name, s, policy in runs:
-    t, r = best_time(lambda: sp.sim.simulate(s, cluster, COSTS, policy,
-                                             perturbations=hete),
-                     args.repeats)
-    print(f"| {name} | {policy.name} | hete-A | {t:.2f} | "
-          f"{r.samples_per_second:.0f} |")
 
-  print("\n## cost vs iterations x workers (1f1b + bsp, hete-A)")
-  print("| pipelines | workers | iterations | simulate (s) |")
-  print("|---|---|---|---|")
-  points = []
-  for pipelines in (1, 4, 16, 64):
-    cluster = sp.sim.Cluster.grid(pipelines, STAGES, devices_per_node=8)
-    for iterations in (125, 250, 500, 1000, 2000):
-      s = schedule("1f1b", iterations)
-      t, _ = best_time(lambda: sp.sim.simulate(s, cluster, COSTS, sp.sim.bsp(),
-                                               perturbations=hete),
-                       args.repeats)
-      workers = pipelines * STAGES
-      points.append((pipelines, workers, iterations, t))
-      print(f"| {pipelines} | {workers} | {iterations} | {t:.3f} |")
-  points = np.array(points)
-  its, workers, y = points[:, 2], points[:, 1], points[:, 3]
-  # t = iterations x (alpha + beta x workers): one NumPy op per task over all
-  # pipelines (alpha) plus the per-element work (beta).
-  design = np.stack([its, its * workers], axis=1)
-  (alpha, beta), *_ = np.linalg.lstsq(design, y, rcond=None)
-  fit = design @ np.array([alpha, beta])
-  r2 = 1 - ((fit - y) ** 2).sum() / ((y - y.mean()) ** 2).sum()
-  print(f"\nfit: t = iterations x ({alpha * 1e3:.3f} ms + {beta * 1e6:.3f} us "
-        f"x workers), R^2 = {r2:.3f}")
-  print(f"bound at 64 workers x 1,000 iterations: "
-        f"{1000 * (alpha + beta * 64):.2f} s")
+def medians(runs: list) -> list:
+  keys = sorted({(r["policy"], r["workers"], r["minibatches"], r["side"])
+                 for r in runs})
+  out = []
+  for policy, workers, minibatches, side in keys:
+    mine = [r for r in runs if (r["policy"], r["workers"], r["minibatches"],
+                                r["side"]) == (policy, workers, minibatches,
+                                               side)]
+    out.append({"policy": policy, "workers": workers,
+                "minibatches": minibatches, "side": side,
+                "median_seconds": statistics.median(r["seconds"]
+                                                    for r in mine),
+                "median_cpu_seconds": statistics.median(r["cpu_seconds"]
+                                                        for r in mine),
+                "repeats": len(mine),
+                "samples_per_second": mine[0]["samples_per_second"]})
+  return out
 
+
+def table(rows: list, minibatches: int) -> str:
+  """Markdown: median wall and CPU seconds before and after, per point."""
+  lines = ["| policy | workers | minibatches | before: wall (CPU) s | "
+           "after: wall (CPU) s | speed-up (CPU) |", "|---|---|---|---|---|---|"]
+  by = {(r["policy"], r["workers"], r["minibatches"], r["side"]): r
+        for r in rows}
+  for policy, workers, m, side in sorted(by, key=lambda k: (k[1], k[0])):
+    if side != "after" or m != minibatches:
+      continue
+    after = by[(policy, workers, m, "after")]
+    before = by.get((policy, workers, m, "before"))
+    cell = lambda r: f"{r['median_seconds']:.1f} ({r['median_cpu_seconds']:.1f})"
+    ratio = (f"{before['median_cpu_seconds'] / after['median_cpu_seconds']:.1f}x"
+             if before else "-")
+    lines.append(f"| {policy} | {workers:,} | {m:,} | "
+                 f"{cell(before) if before else '-'} | {cell(after)} | "
+                 f"{ratio} |")
+  return "\n".join(lines)
+
+
+def main(argv):
+  del argv
+  if _MEASURE.value:
+    policy, pipelines, minibatches = _MEASURE.value.split(",")
+    print(json.dumps(measure(policy, int(pipelines), int(minibatches))))
+    return
+  here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  sides = {"after": here}
+  if _BEFORE.value:
+    sides = {"before": os.path.abspath(_BEFORE.value), "after": here}
+  load = os.getloadavg()
+  print(f"## table: {TABLE_PIPELINES * STAGES} workers x "
+        f"{_MINIBATCHES.value} minibatches", flush=True)
+  runs = sweep([(p, TABLE_PIPELINES, _MINIBATCHES.value)
+                for p in _POLICIES.value], _REPEATS.value, sides)
+  print("## curve", flush=True)
+  runs += sweep([(p, int(n), _CURVE_MINIBATCHES.value)
+                 for n in _CURVE_PIPELINES.value for p in _POLICIES.value],
+                _CURVE_REPEATS.value, sides)
+  rows = medians(runs)
+  os.makedirs(_OUT_DIR.value, exist_ok=True)
+  path = os.path.join(_OUT_DIR.value, "sim_speed.json")
+  with open(path, "w") as f:
+    json.dump({"sides": sides, "core": _CORE.value,
+               "load_average_start": load, "load_average_end":
+               os.getloadavg(), "medians": rows, "runs": runs}, f, indent=1)
+  print(table(rows, _MINIBATCHES.value))
+  print(table(rows, _CURVE_MINIBATCHES.value))
+  print(f"wrote {path}")
+  if _PNG.value:
+    _plot(rows, _PNG.value)
+    print(f"wrote {_PNG.value}")
+
+
+def _plot(rows: list, path: str):
   import matplotlib  # pylint: disable=g-import-not-at-top
   matplotlib.use("Agg")
   from matplotlib import pyplot as plt  # pylint: disable=g-import-not-at-top
-  fig, (ax0, ax1) = plt.subplots(1, 2, figsize=(11, 4))
-  for p in np.unique(points[:, 0]):
-    sel = points[:, 0] == p
-    w = int(p * STAGES)
-    line = ax0.plot(its[sel] * workers[sel], y[sel], "o",
-                    label=f"{w} workers")[0]
-    grid = np.array([0.0, its[sel].max()])
-    ax0.plot(grid * w, grid * (alpha + beta * w), "-", lw=0.8,
-             color=line.get_color())
-    ax1.plot(its[sel], y[sel], "o", color=line.get_color(),
-             label=f"{w} workers")
-    ax1.plot(grid, grid * (alpha + beta * w), "-", lw=0.8,
-             color=line.get_color())
-  ax0.set_xscale("log")
-  ax0.set_yscale("log")
-  ax0.set_xlabel("iterations x workers")
-  ax0.set_ylabel("simulate time (s, one core)")
-  ax0.set_title(f"fit t = it x ({alpha * 1e3:.2f} ms + {beta * 1e6:.2f} us x "
-                f"workers), R^2={r2:.2f}", fontsize=9)
-  ax0.legend(fontsize=7)
-  ax1.set_xlabel("iterations")
-  ax1.set_ylabel("simulate time (s, one core)")
-  ax1.set_title("linear in iterations at every size (lines: the fit)",
-                fontsize=9)
-  ax1.legend(fontsize=7)
+  fig, ax = plt.subplots(figsize=(6.5, 4))
+  m = _CURVE_MINIBATCHES.value
+  for policy in _POLICIES.value:
+    for side, style in (("after", "-o"), ("before", "--x")):
+      pts = sorted((r["workers"], r["median_seconds"]) for r in rows
+                   if r["policy"] == policy and r["side"] == side
+                   and r["minibatches"] == m)
+      if pts:
+        line = ax.plot(*zip(*pts), style, label=f"{policy} ({side})")[0]
+        style = line.get_color()
+  ax.set_xscale("log")
+  ax.set_yscale("log")
+  ax.set_xlabel("workers (pipelines x 4 stages)")
+  ax.set_ylabel(f"simulate seconds, {m:,} minibatches, one core")
+  ax.legend(fontsize=6, ncol=2)
   fig.tight_layout()
-  fig.savefig(args.png, dpi=120)
-  print(f"wrote {args.png}")
+  fig.savefig(path, dpi=120)
 
 
 if __name__ == "__main__":
-  main()
+  app.run(main)

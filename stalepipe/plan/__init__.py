@@ -18,7 +18,7 @@ from stalepipe.plan.allocate import (POLICIES, Cluster, ClusterPlan, Node,
                                      plan_cluster)
 from stalepipe.plan.devices import (GIB, HETPIPE_NETWORK, QUADRO_P4000,
                                     RTX_2060, TABLE1, TITAN_RTX, TITAN_V,
-                                    Device, DeviceType, Network)
+                                    Device, DeviceType, Link, Network)
 from stalepipe.plan.partition import (InfeasiblePlanError, Plan,
                                       activations_in_flight,
                                       max_concurrent_minibatches, partition,
@@ -28,7 +28,7 @@ from stalepipe.plan.profile import Profile, load, measure, save, scale
 __all__ = [
     "GIB", "HETPIPE_NETWORK", "POLICIES", "QUADRO_P4000", "RTX_2060", "TABLE1",
     "TITAN_RTX", "TITAN_V", "Cluster", "ClusterPlan", "Device", "DeviceType",
-    "InfeasiblePlanError", "Network", "Node", "Plan", "Profile",
+    "InfeasiblePlanError", "Link", "Network", "Node", "Plan", "Profile",
     "activations_in_flight", "allocate", "concurrent_minibatches", "load",
     "max_concurrent_minibatches", "measure", "partition", "plan_cluster",
     "save", "scale", "stage_memory",

@@ -1,11 +1,17 @@
-"""Device types, devices and the network between them (seed 001 Table 1, §8.1).
+"""The hardware vocabulary: device types, devices, links, networks.
 
-A `DeviceType` is what a profile is scaled by: peak FP32 throughput and memory.
-A `Device` is one GPU of a cluster: its type and the node it sits in. Devices
-on one node talk over PCIe, devices on different nodes over InfiniBand
-(`Network`), as in HetPipe's cluster (seed 001 §8.1).
+One description of a cluster serves the planner (`stalepipe.plan`) and the
+simulator (`stalepipe.sim`, which takes a plan with `sim.from_plan`):
+
+- a `DeviceType` is what a profile is scaled by: peak FP32 throughput and
+  memory (seed 001 Table 1: `TABLE1`);
+- a `Device` is one GPU of a cluster: its type, its node and its slot there;
+- a `Link` moves `n` bytes in `latency + n / bandwidth` seconds;
+- a `Network` is the link within a node (PCIe) and the link between nodes
+  (InfiniBand), as in HetPipe's cluster (seed 001 §8.1: `HETPIPE_NETWORK`).
 """
 
+import dataclasses
 from typing import NamedTuple
 
 GIB = 2**30
@@ -54,16 +60,64 @@ class Device(NamedTuple):
     return f"{self.spec.name}{self.node}.{self.slot}"
 
 
+@dataclasses.dataclass(frozen=True)
+class Link:
+  r"""A network link: moving :math:`n` bytes takes :math:`\alpha + n/\beta`.
+
+  Attributes:
+    bandwidth: :math:`\beta`, bytes per second.
+    latency: :math:`\alpha`, seconds per message.
+
+  Examples:
+    >>> Link(bandwidth=1e9, latency=1e-3).seconds(2e9)
+    2.001
+  """
+
+  bandwidth: float
+  latency: float = 0.0
+
+  def __post_init__(self):
+    if not self.bandwidth > 0:
+      raise ValueError(f"bandwidth={self.bandwidth!r} is invalid; it must be "
+                       "> 0 bytes/s")
+    if not self.latency >= 0:
+      raise ValueError(f"latency={self.latency!r} is invalid; it must be >= 0")
+
+  def seconds(self, num_bytes: float) -> float:
+    return self.latency + num_bytes / self.bandwidth
+
+
 class Network(NamedTuple):
   """Link speeds: within a node (PCIe) and across nodes (InfiniBand).
 
   A transfer of `n` bytes takes `latency + n / bandwidth` seconds.
+
+  Examples:
+    >>> HETPIPE_NETWORK.inter
+    Link(bandwidth=7000000000.0, latency=2e-05)
+    >>> Network.of(Link(1e9), Link(1e8, 1e-3)).inter_latency
+    0.001
   """
 
   intra_bandwidth: float  # bytes per second between devices of one node
   inter_bandwidth: float  # bytes per second between nodes
   intra_latency: float = 10e-6  # seconds
   inter_latency: float = 20e-6  # seconds
+
+  @classmethod
+  def of(cls, intra: Link, inter: Link) -> "Network":
+    """The network whose links are `intra` (in a node) and `inter`."""
+    return cls(intra.bandwidth, inter.bandwidth, intra.latency, inter.latency)
+
+  @property
+  def intra(self) -> Link:
+    """The link between devices of one node."""
+    return Link(self.intra_bandwidth, self.intra_latency)
+
+  @property
+  def inter(self) -> Link:
+    """The link between nodes."""
+    return Link(self.inter_bandwidth, self.inter_latency)
 
   def seconds(self, num_bytes: float, same_node: bool) -> float:
     """Time to move `num_bytes` between two devices."""

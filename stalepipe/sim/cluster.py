@@ -5,7 +5,10 @@ worker is one pipeline; seed 002 §3: worker `(j, i)` is stage `j` of pipeline
 `i`). Every device has a speed (work per second relative to the reference
 device the costs were measured on), a memory size and a node. Two devices on
 one node talk over the intra-node link (PCIe), devices on different nodes
-over the inter-node link (InfiniBand, Ethernet), as in seed 001 §8.1.
+over the inter-node link (InfiniBand, Ethernet), as in seed 001 §8.1. The
+links are the planner's (`stalepipe.plan.Link`, one class), and a device can
+be made from the planner's (`Device.of`); `sim.from_plan` builds a whole
+cluster from a plan.
 
 The cost model gives, per stage, the forward and backward seconds of one
 micro-batch on the reference device, the part of the backward that computes
@@ -16,39 +19,15 @@ optimizer step's seconds.
 """
 
 import dataclasses
+import functools
 import math
 from typing import Sequence
 
 import numpy as np
 
+from stalepipe.plan import devices as devices_lib
+from stalepipe.plan.devices import Link
 from stalepipe.schedules import kinds as kinds_lib
-
-
-@dataclasses.dataclass(frozen=True)
-class Link:
-  r"""A network link: moving :math:`n` bytes takes :math:`\alpha + n/\beta`.
-
-  Attributes:
-    bandwidth: :math:`\beta`, bytes per second.
-    latency: :math:`\alpha`, seconds per message.
-
-  Examples:
-    >>> Link(bandwidth=1e9, latency=1e-3).seconds(2e9)
-    2.001
-  """
-
-  bandwidth: float
-  latency: float = 0.0
-
-  def __post_init__(self):
-    if not self.bandwidth > 0:
-      raise ValueError(f"bandwidth={self.bandwidth!r} is invalid; it must be "
-                       "> 0 bytes/s")
-    if not self.latency >= 0:
-      raise ValueError(f"latency={self.latency!r} is invalid; it must be >= 0")
-
-  def seconds(self, num_bytes: float) -> float:
-    return self.latency + num_bytes / self.bandwidth
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +50,18 @@ class Device:
     if not self.speed > 0:
       raise ValueError(f"speed={self.speed!r} of device {self.name!r} is "
                        "invalid; it must be > 0")
+
+  @classmethod
+  def of(cls, device: devices_lib.Device, speed: float = 1.0) -> "Device":
+    """The simulator's view of a planner's `device` running at `speed`.
+
+    Examples:
+      >>> from stalepipe.plan.devices import TITAN_V
+      >>> Device.of(devices_lib.Device(TITAN_V, node=2)).node
+      2
+    """
+    return cls(name=device.spec.name, speed=speed,
+               memory_bytes=device.spec.memory_bytes, node=device.node)
 
 
 def ring_allreduce_seconds(num_bytes: float, num_workers: int,
@@ -116,9 +107,9 @@ class Cluster:
   """
 
   devices: tuple[tuple[Device, ...], ...]
-  intra: Link = Link(bandwidth=15.75e9, latency=10e-6)
-  inter: Link = Link(bandwidth=56e9 / 8, latency=20e-6)
-  ps: Link = Link(bandwidth=56e9 / 8, latency=20e-6)
+  intra: Link = devices_lib.HETPIPE_NETWORK.intra
+  inter: Link = devices_lib.HETPIPE_NETWORK.inter
+  ps: Link = devices_lib.HETPIPE_NETWORK.inter
   ps_shared: bool = True
 
   def __post_init__(self):
@@ -160,10 +151,15 @@ class Cluster:
   def link(self, a: Device, b: Device) -> Link:
     return self.intra if a.node == b.node else self.inter
 
+  @functools.cached_property
+  def nodes(self) -> np.ndarray:
+    """`[pipelines, stages]` the node of each device."""
+    return np.array([[d.node for d in row] for row in self.devices])
+
   def group_link(self, stage: int, pipelines: Sequence[int]) -> Link:
     """The (slowest) link a group of one stage's devices all-reduces over."""
-    nodes = {self.devices[i][stage].node for i in pipelines}
-    return self.intra if len(nodes) == 1 else self.inter
+    nodes = self.nodes[np.asarray(pipelines), stage]
+    return self.intra if nodes.min() == nodes.max() else self.inter
 
 
 @dataclasses.dataclass(frozen=True)

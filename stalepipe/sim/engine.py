@@ -23,17 +23,21 @@ starts when all of these hold:
   \text{end} = \text{start}
   + \frac{c_{kind,s} \cdot \text{slowdown}}{\text{speed}}
 
-Since every pipeline runs the same per-stage order, each task is one NumPy
-operation over all pipelines; events are processed in the schedule's task
-order, which is a topological order of these dependencies. Pipelines only
-meet at syncs, where the policy sees all ready times at once.
+Since every pipeline runs the same per-stage order, each task is a few NumPy
+operations over all pipelines, written in place; events are processed in the
+schedule's task order, which is a topological order of these dependencies.
+The schedule is compiled to index arrays with NumPy, link costs are a few
+distinct rows rather than one per task, and observed staleness is tracked in
+`O(N)` per update unless groups leave replicas out (`knowledge`). Pipelines
+only meet at syncs, where the policy sees all ready times at once. The result
+equals `stalepipe.sim.reference`'s, event for event (tests check it).
 
 References:
   Park et al, HetPipe <https://arxiv.org/abs/2005.14038>, 2020, §4-§5;
   Miao et al, SDPipe <https://doi.org/10.14778/3598581.3598604>, 2023, §3, §5
 """
 
-import dataclasses
+import operator
 from typing import NamedTuple, Sequence
 
 import numpy as np
@@ -41,11 +45,15 @@ import numpy as np
 from stalepipe.schedules import core
 from stalepipe.schedules import kinds
 from stalepipe.sim import cluster as cluster_lib
+from stalepipe.sim import knowledge as knowledge_lib
 from stalepipe.sim import policy as policy_lib
 from stalepipe.sim import stragglers as stragglers_lib
+from stalepipe.sim.result import SimResult
+
+_CHUNK = 4096  # tasks per block when summing busy and wait times
 
 
-class _Plan(NamedTuple):
+class Program(NamedTuple):
   """A schedule compiled to index arrays, tasks in schedule order."""
 
   stage: np.ndarray  # [T] int
@@ -58,232 +66,115 @@ class _Plan(NamedTuple):
   own: np.ndarray  # [T] int, updates the stage triggered before the task
   trigger: np.ndarray  # [T] bool, last backward of (minibatch, stage)
   base: np.ndarray  # [T] float, seconds on the reference device
+  cost_class: np.ndarray  # [T] int, kind * S + stage: tasks of equal base
   backward_version: np.ndarray  # [S, B] oldest version a backward reads
   first_task: np.ndarray  # [S, B] index of the first task
 
 
-def _compile(schedule: core.Schedule, costs: cluster_lib.StageCosts) -> _Plan:
-  S, B = schedule.num_stages, schedule.num_minibatches
+def compile_schedule(schedule: core.Schedule,
+                     costs: cluster_lib.StageCosts) -> Program:
+  """The schedule's dependencies, versions and costs as `[tasks]` arrays.
+
+  Raises:
+    ValueError: a task runs before the task whose output it needs, a stage
+      finishes its minibatches' backwards out of order, or a task reads a
+      version before it is applied.
+  """
+  S, B, M = (schedule.num_stages, schedule.num_minibatches,
+             schedule.num_microbatches)
   tasks = schedule.tasks
   T = len(tasks)
-  fwd, bwd = {}, {}
-  for i, t in enumerate(tasks):
-    if schedule.kind(t).runs_forward:
-      fwd[(t.minibatch, t.microbatch, t.stage)] = i
-    if kinds.INPUT_COTANGENT in schedule.kind(t).produces:
-      bwd[(t.minibatch, t.microbatch, t.stage)] = i
-  plan = {k: np.full(T, -1) for k in ("stage", "minibatch", "dep", "boundary",
-                                      "version")}
-  volume, base = np.zeros(T), np.zeros(T)
-  first, trigger = np.zeros(T, bool), np.zeros(T, bool)
-  backward_version = np.full((S, B), np.iinfo(np.int64).max)
-  first_task = np.full((S, B), -1)
-  last_backward = np.full((S, B), -1)
-  own, triggered = np.zeros(T, int), [0] * S
-  for i, t in enumerate(tasks):
-    s, p, m = t.stage, t.minibatch, t.microbatch
-    plan["stage"][i], plan["minibatch"][i] = s, p
-    plan["version"][i] = v = schedule.task_version(t)
-    if first_task[s, p] < 0:
-      first_task[s, p], first[i] = i, True
-    kind, covered = schedule.kind(t), schedule.covered_microbatches(t)
-    base[i] = costs.seconds(kind, s) * len(covered)
-    if kind.runs_forward and s > 0:
-      dep, plan["boundary"][i], volume[i] = fwd.get((p, m, s - 1)), s - 1, 1
-    elif kinds.OUTPUT_COTANGENT in kind.consumes and s < S - 1:
-      dep, plan["boundary"][i] = bwd.get((p, m, s + 1)), s
-      volume[i] = len(covered)
-    elif not kind.runs_forward:
-      dep = fwd.get((p, covered[-1], s))
-    else:  # a forward on stage 0 reads the data
-      dep = -1
-    if dep != -1:
-      if dep is None or dep >= i:
-        raise ValueError(f"{t} of schedule {schedule.name!r} runs before the "
-                         "task whose output it needs")
-      plan["dep"][i] = dep
-    if kind.closes_update:
-      last_backward[s, p] = i
-    if kind.runs_backward:
-      backward_version[s, p] = min(backward_version[s, p], v)
+  names = tuple(kinds.KINDS)
+  code = {name: k for k, name in enumerate(names)}
+  stage, kind_names, minibatch, micro = (
+      list(map(operator.itemgetter(k), tasks)) for k in range(1, 5))
+  versions = schedule.versions
+  version = np.fromiter(
+      map(versions.__getitem__, zip(minibatch, stage, kind_names, micro)),
+      np.int64, T)
+  stage, minibatch = np.asarray(stage), np.asarray(minibatch)
+  micro = np.asarray(micro)
+  kind = np.fromiter(map(code.__getitem__, kind_names), np.int64, T)
+  table = [kinds.KINDS[name] for name in names]
+  has = lambda prop: np.array([prop(k) for k in table])[kind]
+  forward = has(lambda k: k.runs_forward)
+  sends_back = has(lambda k: kinds.INPUT_COTANGENT in k.produces)
+  takes_back = has(lambda k: kinds.OUTPUT_COTANGENT in k.consumes)
+  closes = has(lambda k: k.closes_update)
+  backward = has(lambda k: k.runs_backward)
+  covers = schedule.backward_covers_minibatch & ~forward
+  covered = np.where(covers, M, 1)
+  last_micro = np.where(covers, M - 1, micro)
+  seconds = np.array([[costs.seconds(k, s) for s in range(S)] for k in table])
+  base = seconds[kind, stage] * covered
+
+  index = np.arange(T)
+  fwd = np.full((B, M, S), -1)
+  fwd[minibatch[forward], micro[forward], stage[forward]] = index[forward]
+  bwd = np.full((B, M, S), -1)
+  bwd[minibatch[sends_back], micro[sends_back], stage[sends_back]] = (
+      index[sends_back])
+  receives = forward & (stage > 0)
+  returns = ~receives & takes_back & (stage < S - 1)
+  own_forward = ~receives & ~returns & ~forward
+  dep = np.full(T, -1)
+  dep[receives] = fwd[minibatch[receives], micro[receives],
+                      stage[receives] - 1]
+  dep[returns] = bwd[minibatch[returns], micro[returns], stage[returns] + 1]
+  dep[own_forward] = fwd[minibatch[own_forward], last_micro[own_forward],
+                         stage[own_forward]]
+  needs = receives | returns | own_forward
+  bad = np.flatnonzero(needs & ((dep < 0) | (dep >= index)))
+  if bad.size:
+    raise ValueError(f"{tasks[bad[0]]} of schedule {schedule.name!r} runs "
+                     "before the task whose output it needs")
+  boundary = np.full(T, -1)
+  boundary[receives] = stage[receives] - 1
+  boundary[returns] = stage[returns]
+  volume = np.zeros(T)
+  volume[receives] = 1
+  volume[returns] = covered[returns]
+
+  key = stage * B + minibatch
+  first_task = np.full(S * B, -1)
+  keys, firsts = np.unique(key, return_index=True)
+  first_task[keys] = firsts
+  first = np.zeros(T, bool)
+  first[firsts] = True
+  last_backward = np.full(S * B, -1)
+  closing = np.flatnonzero(closes)
+  np.maximum.at(last_backward, key[closing], closing)
+  last_backward = last_backward.reshape(S, B)
+  trigger = np.zeros(T, bool)
   trigger[last_backward[last_backward >= 0]] = True
+  check_update_order(last_backward, schedule.name)
+  backward_version = np.full(S * B, np.iinfo(np.int64).max)
+  np.minimum.at(backward_version, key[backward], version[backward])
+  own = np.zeros(T, np.int64)
   for s in range(S):
-    order = last_backward[s]
+    mine = stage == s
+    own[mine] = np.cumsum(trigger[mine]) - trigger[mine]
+  reads = np.flatnonzero(version > 0)
+  early = reads[last_backward[stage[reads], version[reads] - 1] >= reads]
+  if early.size:
+    t = tasks[early[0]]
+    raise ValueError(f"{t} reads version {version[early[0]]} before stage "
+                     f"{t.stage} applies the update of minibatch "
+                     f"{version[early[0]] - 1}")
+  return Program(stage=stage, minibatch=minibatch, dep=dep, boundary=boundary,
+                 volume=volume, version=version, first=first, own=own,
+                 trigger=trigger, base=base, cost_class=kind * S + stage,
+                 backward_version=backward_version.reshape(S, B),
+                 first_task=first_task.reshape(S, B))
+
+
+def check_update_order(last_backward: np.ndarray, name: str) -> None:
+  """Refuses a schedule whose stage `s` closes minibatch updates out of order
+  (`last_backward[s, p]`: the task after which stage `s` updates `p`)."""
+  for s, order in enumerate(last_backward):
     if (order < 0).any() or (np.diff(order) <= 0).any():
-      raise ValueError(f"stage {s} of schedule {schedule.name!r} must finish "
-                       "the backwards of its minibatches in minibatch order")
-  for i, t in enumerate(tasks):
-    own[i] = triggered[t.stage]
-    triggered[t.stage] += int(trigger[i])
-    v = plan["version"][i]
-    if v > 0 and last_backward[t.stage, v - 1] >= i:
-      raise ValueError(f"{t} reads version {v} before stage {t.stage} applies "
-                       f"the update of minibatch {v - 1}")
-  return _Plan(volume=volume, first=first, own=own, trigger=trigger, base=base,
-               backward_version=backward_version, first_task=first_task,
-               **plan)
-
-
-@dataclasses.dataclass(frozen=True)
-class SimResult:
-  """What a simulation measured; seconds, devices as `[pipeline, stage]`.
-
-  Attributes:
-    schedule: the schedule every pipeline ran.
-    cluster: the cluster it ran on.
-    policy: the sync policy's name.
-    makespan: seconds until the last update is in place everywhere.
-    busy: `[N, S]` seconds computing (tasks and updates).
-    wait: `[N, S]` seconds a device waited for a sync: its own at the end of
-      an iteration, or, with its input in, for the version it reads or a
-      gate.
-    delayed: `[N, S]` seconds of injected straggler sleeps.
-    idle: `[N, S]` the rest of the makespan (pipeline bubbles, link delays).
-    staleness: `[N, B, S]` observed staleness of each minibatch's gradient:
-      updates (of any replica) in place before it is applied, minus those
-      reflected in the weights its backward read.
-    start, end, ready: `[tasks, N]` each task's start, end and the time its
-      device was free with its input in.
-    blocked, sleep_at, sleep: `[tasks, N]` for the first task of an
-      iteration, the seconds its device waited for its own sync, when its
-      injected sleep began and how long it lasted.
-    applied: `[S, B + 1, N]` when version `v` of a stage is in place.
-    comm: `(stage, CommEvent)` records of every exchange.
-    samples_per_minibatch: M x samples per micro-batch.
-    extras: policy records (WSP clocks, SDPipe groups, ...).
-  """
-
-  schedule: core.Schedule
-  cluster: cluster_lib.Cluster
-  policy: str
-  makespan: float
-  busy: np.ndarray
-  wait: np.ndarray
-  delayed: np.ndarray
-  idle: np.ndarray
-  staleness: np.ndarray
-  start: np.ndarray
-  end: np.ndarray
-  ready: np.ndarray
-  blocked: np.ndarray
-  sleep_at: np.ndarray
-  sleep: np.ndarray
-  applied: np.ndarray
-  update_seconds: np.ndarray
-  comm: tuple
-  samples_per_minibatch: int
-  costs: cluster_lib.StageCosts
-  extras: dict
-
-  @property
-  def minibatches_per_second(self) -> float:
-    return self.applied.shape[2] * self.schedule.num_minibatches / self.makespan
-
-  @property
-  def samples_per_second(self) -> float:
-    return self.minibatches_per_second * self.samples_per_minibatch
-
-  def steady_samples_per_second(self, skip: int) -> float:
-    """Samples/s between minibatch `skip - 1`'s and the last one's updates.
-
-    Leaves out the pipeline fill (and any warm-up) of the first `skip`
-    minibatches.
-    """
-    B = self.schedule.num_minibatches
-    if not 0 < skip < B:
-      raise ValueError(f"skip={skip!r} is invalid; it must be in [1, {B - 1}]")
-    t0 = self.applied[:, skip].max()
-    t1 = self.applied[:, B].max()
-    N = self.applied.shape[2]
-    return N * (B - skip) * self.samples_per_minibatch / (t1 - t0)
-
-  @property
-  def memory_required(self) -> np.ndarray | None:
-    """`[S]` bytes a stage holds at its peak, if the schedule reports it.
-
-    Weight versions alive x parameter bytes + micro-batches in flight x
-    activation bytes (`stash_depth`, `max_in_flight`).
-    """
-    stash = getattr(self.schedule, "stash_depth", None)
-    in_flight = getattr(self.schedule, "max_in_flight", None)
-    if stash is None or in_flight is None:
-      return None
-    return (np.asarray(self.costs.param_bytes) * np.asarray(stash)
-            + np.asarray(self.costs.activation_bytes) * np.asarray(in_flight))
-
-  @property
-  def fits(self) -> np.ndarray | None:
-    """`[N, S]` whether each device's memory holds its stage's peak."""
-    if self.memory_required is None:
-      return None
-    memory = np.array([[d.memory_bytes for d in row]
-                       for row in self.cluster.devices])
-    return memory >= self.memory_required[None]
-
-  def timeline(self, pipelines: Sequence[int] | None = None,
-               until: float = np.inf) -> list:
-    """The run as `render.TimelineEvent`s (seconds) for the renderers.
-
-    Args:
-      pipelines: the pipelines to show (default all).
-      until: leave out events starting at or after this time.
-
-    Returns:
-      Tasks (their kind's name: "F", "B", "BI", ...), updates ("U"),
-      communication ("C"), waits for a sync, a version or a gate ("W") and
-      injected straggler sleeps ("W" labelled "sleep"), one row per device.
-    """
-    # pylint: disable-next=g-import-not-at-top
-    from stalepipe.schedules import render
-    N = self.applied.shape[2]
-    shown = range(N) if pipelines is None else pipelines
-    width = len(str(N - 1))
-
-    def row(i, s):
-      return f"pipeline {i:0{width}d} stage {s}"
-
-    events = []
-    M = self.schedule.num_microbatches
-    for k, t in enumerate(self.schedule.tasks):
-      label = f"{t.minibatch}.{t.microbatch}" if M > 1 else f"{t.minibatch}"
-      for i in shown:
-        st, en, rd = self.start[k, i], self.end[k, i], self.ready[k, i]
-        if rd >= until:
-          continue
-        slept, held = self.sleep_at[k, i], self.blocked[k, i]
-        if held > 0:
-          events.append(render.TimelineEvent(row(i, t.stage), slept - held,
-                                             held, "W", ""))
-        d = self.sleep[k, i]
-        if d > 0:
-          events.append(render.TimelineEvent(row(i, t.stage), slept, d, "W",
-                                             "sleep"))
-        if st > rd:
-          events.append(render.TimelineEvent(row(i, t.stage), rd, st - rd,
-                                             "W", ""))
-        if st < until:
-          events.append(render.TimelineEvent(row(i, t.stage), st, en - st,
-                                             t.kind, label))
-    S, B = self.schedule.num_stages, self.schedule.num_minibatches
-    for s in range(S):
-      for p in range(B):
-        for i in shown:
-          u = self.update_seconds[p, s, i]
-          t0 = self.applied_local[s, p, i]
-          if u > 0 and t0 - u < until:
-            events.append(render.TimelineEvent(row(i, s), t0 - u, u, "U",
-                                               str(p)))
-    for s, event in self.comm:
-      for i, st, en in zip(event.pipelines, event.start, event.end):
-        if i in shown and st < until:
-          events.append(render.TimelineEvent(row(int(i), s), float(st),
-                                             float(en - st), "C", ""))
-    return events
-
-  @property
-  def applied_local(self) -> np.ndarray:
-    """`[S, B, N]` when each stage's own update of each minibatch finished."""
-    return self.extras["local_update_end"]
+      raise ValueError(f"stage {s} of schedule {name!r} must finish the "
+                       "backwards of its minibatches in minibatch order")
 
 
 def simulate(schedule: core.Schedule, cluster: cluster_lib.Cluster,
@@ -297,7 +188,10 @@ def simulate(schedule: core.Schedule, cluster: cluster_lib.Cluster,
       for the number of minibatches to simulate.
     cluster: `[pipelines][stages]` devices and links.
     costs: per-stage costs on the reference device.
-    policy: a sync policy (`bsp()`, `wsp(D, N_m)`, `sdpipe(P, T)`, ...);
+    policy: a sync policy: one of `stalepipe.sync` over the cluster's
+      pipelines (`sp.sync.wsp(N, clock_distance=D, concurrent_minibatches=
+      N_m)`, ...: the same object the executors run), or a time-only one
+      (`bsp()`, `wsp(D, N_m)`, `sdpipe(P, T)`, `parameter_server()`, ...);
       default `isolated()`.
     perturbations: `Stragglers` and `Trace`s; delays add, multipliers
       multiply.
@@ -313,13 +207,97 @@ def simulate(schedule: core.Schedule, cluster: cluster_lib.Cluster,
     >>> round(r.makespan, 3), s.num_ticks
     (8.0, 8)
   """
+  policy, runner, delay, scale, update = start_run(
+      schedule, cluster, costs, policy, perturbations, seed)
+  S, B, N = schedule.num_stages, schedule.num_minibatches, cluster.num_pipelines
+  plan = compile_schedule(schedule, costs)
+  links, link_of = _transfers(plan, cluster, costs)
+
+  T = len(plan.stage)
+  start, end, ready = (np.empty((T, N)) for _ in range(3))
+  # Nonzero only at an iteration's first task; calloc leaves the rest unpaged.
+  blocked, sleep_at, sleep = (np.zeros((T, N)) for _ in range(3))
+  free = [np.zeros(N) for _ in range(S)]
+  applied = np.full((S, B + 1, N), np.inf)
+  applied[:, 0] = 0.0
+  local_end = np.zeros((S, B, N))
+  depth = int((np.arange(1, B + 1)[None] - plan.backward_version).max()) + 1
+  know = []
+  for s in range(S):  # versions a backward reads after a newer one is in
+    kept = np.zeros(B + 1, bool)
+    kept[plan.backward_version[s][plan.backward_version[s] < np.arange(B)]] = True
+    know.append(knowledge_lib.Knowledge(N, B + 1, depth, kept))
+  reflected = np.zeros((S, B, N), dtype=np.int64)
+  comm = []
+  duration, kind_of = _durations(plan, scale)
+  waits = _reads_new_version(plan) | (plan.first & runner.gates)
+  stage, minibatch = plan.stage.tolist(), plan.minibatch.tolist()
+  dep, link_of = plan.dep.tolist(), link_of.tolist()
+  version, first = plan.version.tolist(), plan.first.tolist()
+  trigger, own = plan.trigger.tolist(), plan.own.tolist()
+  kind_of, checks = kind_of.tolist(), waits.tolist()
+  gates = runner.gates
+  maximum, add = np.maximum, np.add
+  for i in range(T):
+    s, p = stage[i], minibatch[i]
+    f = free[s]
+    if first[i]:
+      synced = maximum(f, applied[s, own[i]], out=sleep_at[i])
+      np.subtract(synced, f, out=blocked[i])
+      f = synced + delay[p, s]
+    # The input of a task whose dependency ran on its own stage is in when
+    # the device is free; so is a version no newer than one an earlier task
+    # of the stage read (`_reads_new_version`). Both maxima are skipped there.
+    st = start[i]
+    if link_of[i] >= 0:
+      add(end[dep[i]], links[link_of[i]], out=st)
+      maximum(f, st, out=st)
+    else:
+      st[:] = f
+    if checks[i]:
+      ready[i] = st
+      maximum(st, applied[s, version[i]], out=st)
+      if gates and first[i]:
+        maximum(st, runner.gate(s, p), out=st)
+    e = add(st, duration[p, kind_of[i]], out=end[i])
+    if not trigger[i]:
+      free[s] = e
+      continue
+    e = free[s] = add(e, update[p, s], out=local_end[s, p])
+    out = runner.sync(s, p, e)
+    maximum(out.applied, applied[s, p], out=applied[s, p + 1])
+    floor = runner.floor(s, start[plan.first_task[s, p]])
+    reflected[s, p] = know[s].reflected(plan.backward_version[s, p], floor)
+    know[s].update(p, out.groups)
+    comm.extend((s, c) for c in out.comm)
+  np.copyto(ready, start, where=~waits[:, None])
+  firsts = np.flatnonzero(plan.first)
+  sleep[firsts] = delay[plan.minibatch[firsts], plan.stage[firsts]]
+
+  busy, wait = _busy_and_wait(plan.stage, start, end, ready, blocked, S)
+  return finish_run(schedule, cluster, costs, policy, runner, start=start,
+                    end=end, ready=ready, blocked=blocked, sleep_at=sleep_at,
+                    sleep=sleep, applied=applied, local_end=local_end,
+                    reflected=reflected, busy=busy, wait=wait, delay=delay,
+                    update=update, comm=comm)
+
+
+def start_run(schedule: core.Schedule, cluster: cluster_lib.Cluster,
+              costs: cluster_lib.StageCosts, policy, perturbations: Sequence,
+              seed: int) -> tuple:
+  """Checks sizes, draws the slowdowns and starts the policy's runner.
+
+  Returns:
+    `(policy, runner, delay, scale, update)`: the last three `[B, S, N]`,
+    the sleep before each iteration, the factor on each reference second
+    (slowdown over speed) and the optimizer step's seconds.
+  """
   S, B = schedule.num_stages, schedule.num_minibatches
   N = cluster.num_pipelines
   if cluster.num_stages != S or costs.num_stages != S:
     raise ValueError(f"cluster has {cluster.num_stages} stages and costs "
                      f"{costs.num_stages}; the schedule has {S}")
-  policy = policy or policy_lib.isolated()
-  plan = _compile(schedule, costs)
+  policy = policy_lib.time_side(policy or policy_lib.isolated(), N)
   straggler_rng, policy_rng = np.random.default_rng(seed).spawn(2)
   delay, multiplier = stragglers_lib.slowdowns(perturbations, (B, N, S),
                                                straggler_rng)
@@ -327,98 +305,106 @@ def simulate(schedule: core.Schedule, cluster: cluster_lib.Cluster,
   scale = np.ascontiguousarray((multiplier / speed[None]).transpose(0, 2, 1))
   delay = np.ascontiguousarray(delay.transpose(0, 2, 1))  # [B, S, N]
   update = np.asarray(costs.update)[None, :, None] * scale  # [B, S, N]
-  xfer = _transfers(plan, cluster, costs)
-  ctx = policy_lib.Context(cluster, costs, B, policy_rng)
-  runner = policy.start(ctx)
+  runner = policy.start(policy_lib.Context(cluster, costs, B, policy_rng))
+  return policy, runner, delay, scale, update
 
-  T = len(plan.stage)
-  start, end = np.zeros((T + 1, N)), np.zeros((T + 1, N))
-  ready = np.zeros((T, N))
-  blocked, sleep_at, sleep = (np.zeros((T, N)) for _ in range(3))
-  free = np.zeros((S, N))
-  applied = np.full((S, B + 1, N), np.inf)
-  applied[:, 0] = 0.0
-  local_end = np.zeros((S, B, N))
-  # know[s][i, j]: updates of replica j that replica i's stage s reflects,
-  # kept for the versions a later backward may still read (a ring buffer).
-  know = np.zeros((S, N, N), dtype=np.int64)
-  depth = int((np.arange(1, B + 1)[None] - plan.backward_version).max()) + 1
-  history = np.zeros((S, depth, N, N), dtype=np.int64)
-  reflected = np.zeros((S, B, N), dtype=np.int64)
-  diagonal = np.arange(N)
-  comm = []
-  stage, minibatch, dep = plan.stage.tolist(), plan.minibatch.tolist(), plan.dep
-  version, first, trigger = plan.version.tolist(), plan.first, plan.trigger
-  base, gates, own = plan.base, runner.gates, plan.own
-  for i in range(T):
-    s, p = stage[i], minibatch[i]
-    f = free[s]
-    if first[i]:
-      synced = np.maximum(f, applied[s, own[i]])
-      blocked[i], sleep_at[i], sleep[i] = synced - f, synced, delay[p, s]
-      f = synced + sleep[i]
-    r = np.maximum(f, end[dep[i]] + xfer[i])
-    st = np.maximum(r, applied[s, version[i]])
-    if gates and first[i]:
-      st = np.maximum(st, runner.gate(s, p))
-    e = st + base[i] * scale[p, s]
-    ready[i], start[i], end[i] = r, st, e
-    if not trigger[i]:
-      free[s] = e
-      continue
-    e = e + update[p, s]
-    free[s] = local_end[s, p] = e
-    out = runner.sync(s, p, e)
-    applied[s, p + 1] = np.maximum(out.applied, applied[s, p])
-    read = history[s, plan.backward_version[s, p] % depth]
-    floor = runner.floor(s, start[plan.first_task[s, p]])
-    reflected[s, p] = np.maximum(read, floor[:, None]).sum(axis=1)
-    k = know[s]
-    k[diagonal, diagonal] = p + 1
-    for g in out.groups:
-      k[g] = k[g].max(axis=0)
-    history[s, (p + 1) % depth] = k
-    comm.extend((s, c) for c in out.comm)
 
-  start, end = start[:T], end[:T]
+def finish_run(schedule, cluster, costs, policy, runner, *, start, end, ready,
+               blocked, sleep_at, sleep, applied, local_end, reflected, busy,
+               wait, delay, update, comm) -> SimResult:
+  """The `SimResult` of a finished loop (`busy`, `wait`: `[S, N]` of tasks)."""
+  B = schedule.num_minibatches
   makespan = float(max(applied[:, B].max(), end.max()))
-  busy = np.zeros((S, N))
-  wait = np.zeros((S, N))
-  for s in range(S):
-    mine = plan.stage == s
-    busy[s] = (end[mine] - start[mine]).sum(0)
-    wait[s] = (start[mine] - ready[mine] + blocked[mine]).sum(0)
-  busy += update.sum(0)
+  busy = busy + update.sum(0)
   delayed = delay.sum(0)
-  staleness = _staleness(applied, reflected)
-  extras = dict(runner.extras(), local_update_end=local_end)
   return SimResult(
       schedule=schedule, cluster=cluster, policy=policy.name,
       makespan=makespan, busy=busy.T, wait=wait.T, delayed=delayed.T,
-      idle=makespan - busy.T - wait.T - delayed.T, staleness=staleness,
-      start=start, end=end, ready=ready, blocked=blocked, sleep_at=sleep_at,
-      sleep=sleep, applied=applied, update_seconds=update,
-      comm=tuple(comm),
+      idle=makespan - busy.T - wait.T - delayed.T,
+      staleness=_staleness(applied, reflected), start=start, end=end,
+      ready=ready, blocked=blocked, sleep_at=sleep_at, sleep=sleep,
+      applied=applied, update_seconds=update, comm=tuple(comm),
       samples_per_minibatch=(schedule.num_microbatches
                              * costs.samples_per_microbatch),
-      costs=costs, extras=extras)
+      costs=costs, extras=dict(runner.extras(), local_update_end=local_end))
 
 
-def _transfers(plan: _Plan, cluster: cluster_lib.Cluster,
-               costs: cluster_lib.StageCosts) -> np.ndarray:
-  """`[T, N]` seconds each task's input spends on the link (0 without one)."""
+def _durations(plan: Program, scale: np.ndarray
+               ) -> tuple[np.ndarray, np.ndarray]:
+  """`(seconds [B, C, N], class [T])`: each task's duration by cost class.
+
+  A class is a (kind, stage) pair, whose tasks cost the same reference
+  seconds; its duration in minibatch `p` is those times `scale[p, stage]`.
+  """
+  _, firsts, kind_of = np.unique(plan.cost_class, return_index=True,
+                                 return_inverse=True)
+  stages, base = plan.stage[firsts], plan.base[firsts]
+  return scale[:, stages] * base[None, :, None], kind_of
+
+
+def _reads_new_version(plan: Program) -> np.ndarray:
+  """`[T]` whether a task reads a newer version than every earlier task of
+  its stage (only then may it wait for the version to be in place: versions
+  are applied in order, and the earlier task started after its own)."""
+  out = np.zeros(len(plan.stage), bool)
+  for s in np.unique(plan.stage):
+    mine = np.flatnonzero(plan.stage == s)
+    seen = np.maximum.accumulate(plan.version[mine])
+    out[mine] = plan.version[mine] > np.concatenate([[-1], seen[:-1]])
+  return out
+
+
+def link_grid(cluster: cluster_lib.Cluster) -> tuple[np.ndarray, np.ndarray]:
+  """`(latency, bandwidth)`, each `[S - 1, N]`: the link from stage b to b+1
+  of each pipeline (one row of zeros and ones for a single stage)."""
   N, S = cluster.num_pipelines, cluster.num_stages
   latency, bandwidth = np.zeros((max(S - 1, 1), N)), np.ones((max(S - 1, 1), N))
   for i, row in enumerate(cluster.devices):
     for b in range(S - 1):
       link = cluster.link(row[b], row[b + 1])
       latency[b, i], bandwidth[b, i] = link.latency, link.bandwidth
-  xfer = np.zeros((len(plan.stage), N))
+  return latency, bandwidth
+
+
+def _transfers(plan: Program, cluster: cluster_lib.Cluster,
+               costs: cluster_lib.StageCosts
+               ) -> tuple[np.ndarray, np.ndarray]:
+  """`(rows, row_of)`: the distinct `[N]` link delays and each task's row.
+
+  A task's input spends `latency + volume * bytes / bandwidth` on the link
+  of its boundary, per pipeline; tasks without a link get row -1.
+  """
+  N = cluster.num_pipelines
+  latency, bandwidth = link_grid(cluster)
+  row_of = np.full(len(plan.stage), -1)
   has = plan.boundary >= 0
-  b = plan.boundary[has]
-  volume = plan.volume[has] * np.asarray(costs.activation_bytes)[b]
-  xfer[has] = latency[b] + volume[:, None] / bandwidth[b]
-  return xfer
+  if not has.any():
+    return np.zeros((0, N)), row_of
+  key = plan.boundary[has] * (plan.volume.max() + 1) + plan.volume[has]
+  _, firsts, row_of[has] = np.unique(key, return_index=True,
+                                     return_inverse=True)
+  b = plan.boundary[has][firsts]
+  volume = plan.volume[has][firsts] * np.asarray(costs.activation_bytes,
+                                                 float)[b]
+  rows = latency[b] + volume[:, None] / bandwidth[b]
+  return rows, row_of
+
+
+def _busy_and_wait(stage: np.ndarray, start: np.ndarray, end: np.ndarray,
+                   ready: np.ndarray, blocked: np.ndarray, S: int
+                   ) -> tuple[np.ndarray, np.ndarray]:
+  """`[S, N]` seconds computing, and waiting for a sync, version or gate."""
+  busy = np.zeros((S, start.shape[1]))
+  wait = np.zeros((S, start.shape[1]))
+  for k in range(0, len(stage), _CHUNK):
+    part = slice(k, k + _CHUNK)
+    ran = end[part] - start[part]
+    waited = start[part] - ready[part] + blocked[part]
+    for s in range(S):
+      mine = stage[part] == s
+      busy[s] += ran[mine].sum(0)
+      wait[s] += waited[mine].sum(0)
+  return busy, wait
 
 
 def _staleness(applied: np.ndarray, reflected: np.ndarray) -> np.ndarray:

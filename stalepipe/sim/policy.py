@@ -24,6 +24,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from stalepipe import sync as sync_lib
 from stalepipe.sim import cluster as cluster_lib
 from stalepipe.sync.grouping import random_pairs
 
@@ -40,7 +41,8 @@ class SyncOutcome(NamedTuple):
   """What one sync of one stage after one minibatch did."""
 
   applied: np.ndarray  # [N] time the new version is in place per pipeline
-  groups: tuple[np.ndarray, ...] = ()  # pipelines that averaged together
+  groups: tuple[np.ndarray, ...] | np.ndarray = ()  # disjoint sets of
+  #   pipelines that averaged together (or one [groups, size] array)
   comm: tuple[CommEvent, ...] = ()
 
 
@@ -233,20 +235,23 @@ class ParameterServer:
 
 class _ADPSGDRunner(Runner):
 
-  def __init__(self, ctx):
+  def __init__(self, ctx, seed):
     super().__init__(ctx)
-    nodes = np.array([[d.node for d in row] for row in ctx.cluster.devices])
-    self.nodes = nodes.T  # [S, N]
+    self.seed = seed
+    self.nodes = ctx.cluster.nodes.T  # [S, N]
     self.seconds = {same: [cluster_lib.ring_allreduce_seconds(
         b, 2, ctx.cluster.intra if same else ctx.cluster.inter)
                            for b in ctx.costs.param_bytes]
                     for same in (False, True)}
 
   def sync(self, stage, minibatch, ready):
-    pairs = [p for p in random_pairs(len(ready), self.ctx.rng) if len(p) == 2]
-    if not pairs:
+    # The numeric side's matching (`stalepipe.sync.ADPSGD`: one per
+    # iteration, seeded by (seed, minibatch)), or draws from the run's.
+    rng = self.ctx.rng if self.seed is None else np.random.default_rng(
+        [self.seed, minibatch])
+    pairs = random_pairs(len(ready), rng, matched_only=True)
+    if not len(pairs):
       return SyncOutcome(applied=ready)
-    pairs = np.stack(pairs)
     start = ready[pairs].max(axis=1)
     nodes = self.nodes[stage][pairs]
     end = start + np.where(nodes[:, 0] == nodes[:, 1],
@@ -255,7 +260,7 @@ class _ADPSGDRunner(Runner):
     applied = ready.copy()
     applied[pairs] = end[:, None]
     event = CommEvent(pairs.ravel(), np.repeat(start, 2), np.repeat(end, 2))
-    return SyncOutcome(applied, tuple(pairs), (event,))
+    return SyncOutcome(applied, pairs, (event,))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -264,16 +269,22 @@ class ADPSGD:
 
   Partners wait for each other, then exchange models (a ring of two).
 
+  Attributes:
+    seed: None draws every stage's pairs from the run's seeded Generator;
+      an int uses `stalepipe.sync.ad_psgd(N, seed)`'s matching, one per
+      iteration for all stages, so timing and numerics pair alike.
+
   References:
     Lian et al, Asynchronous decentralized parallel stochastic gradient
     descent <https://arxiv.org/abs/1710.06952>, 2018 (seed 002 §5.1:
     "synchronizes after each mini-batch but with only a neighboring worker")
   """
 
+  seed: int | None = None
   name = "ad_psgd"
 
   def start(self, ctx: Context) -> Runner:
-    return _ADPSGDRunner(ctx)
+    return _ADPSGDRunner(ctx, self.seed)
 
 
 def isolated() -> Isolated:
@@ -288,6 +299,9 @@ def isolated() -> Isolated:
 
 def bsp() -> BSP:
   """Ring all-reduce every iteration (see `BSP`).
+
+  Time only; `stalepipe.sync.bsp(N)` is the same policy with its numerics,
+  and `simulate` takes it as it is.
 
   Examples:
     >>> import stalepipe as sp
@@ -314,6 +328,10 @@ def parameter_server() -> ParameterServer:
 def ad_psgd() -> ADPSGD:
   """Random pairwise averaging every iteration (see `ADPSGD`).
 
+  Time only, with pairs drawn from the run's Generator;
+  `stalepipe.sync.ad_psgd(N, seed)` is the policy with its numerics, and
+  `simulate` times it with the same pairs.
+
   Examples:
     >>> ad_psgd().name
     'ad_psgd'
@@ -324,8 +342,52 @@ def ad_psgd() -> ADPSGD:
 def local_sgd(period: int) -> LocalSGD:
   """Averaging of all replicas every `period` iterations (see `LocalSGD`).
 
+  Time only; `stalepipe.sync.local_sgd(N, period)` is the same policy with
+  its numerics, and `simulate` takes it as it is.
+
   Examples:
     >>> local_sgd(8).period
     8
   """
   return LocalSGD(period)
+
+
+def time_side(policy, num_pipelines: int):
+  """The simulator's side of `policy`: a time-side policy as it is, or the
+  timing of a `stalepipe.sync` policy from its own arguments.
+
+  A policy is named once, with one signature, for its numerics (the
+  executors) and its timing (here): `sp.sync.wsp(N, clock_distance=D,
+  concurrent_minibatches=N_m)` runs in `simulate` as `wsp(D, N_m)`; its
+  numeric-only arguments (WSP's `server` and `delays`, SDPipe's
+  `ready_times`: what the simulator measures) do not change the timing.
+
+  Raises:
+    ValueError: the policy's replicas are not the cluster's pipelines, or a
+      `SyncPolicy` has no time side.
+
+  Examples:
+    >>> import stalepipe as sp
+    >>> time_side(sp.sync.wsp(4, clock_distance=1, concurrent_minibatches=3),
+    ...           num_pipelines=4)
+    WSP(clock_distance=1, concurrent_minibatches=3)
+  """
+  if not isinstance(policy, sync_lib.SyncPolicy):
+    return policy
+  if policy.num_replicas != num_pipelines:
+    raise ValueError(f"sync policy {policy.name!r} has num_replicas="
+                     f"{policy.num_replicas}; valid: the cluster's "
+                     f"{num_pipelines} pipelines")
+  if policy.name not in TIME_SIDES:
+    raise ValueError(f"sync policy {policy.name!r} has no time side; valid: "
+                     f"{', '.join(TIME_SIDES)}")
+  return TIME_SIDES[policy.name](policy)
+
+
+# The time side of each `stalepipe.sync` policy, from its arguments; WSP's
+# and SDPipe's modules add theirs.
+TIME_SIDES = {
+    "bsp": lambda p: BSP(),
+    "ad_psgd": lambda p: ADPSGD(seed=p.seed),
+    "local_sgd": lambda p: LocalSGD(p.period),
+}

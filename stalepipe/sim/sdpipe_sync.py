@@ -27,29 +27,47 @@ is "still waiting" when its interval covers this stage's first ready time.
 import dataclasses
 import math
 
+import numpy as np
+
 from stalepipe.sim import policy
 from stalepipe.sync.grouping import Scheduler
 
 
 class _SDPipeRunner(policy.Runner):
 
-  def __init__(self, ctx, history, window):
+  def __init__(self, ctx, history, window, enforce=True):
     super().__init__(ctx)
-    self.scheduler = Scheduler(ctx.cluster.num_stages, history, window)
+    self.scheduler = Scheduler(ctx.cluster.num_stages, history, window,
+                               enforce)
+    self.nodes = ctx.cluster.nodes.T  # [S, N]
 
   def sync(self, stage, minibatch, ready):
     groups, starts = self.scheduler.decide(stage, minibatch, ready)
+    sizes, offsets, members = groups.sizes, groups.offsets, groups.members
+    starts = np.asarray(starts)
+    nodes = self.nodes[stage][members]
+    heads = offsets[:-1]
+    one_node = (np.minimum.reduceat(nodes, heads)
+                == np.maximum.reduceat(nodes, heads))
+    ctx = self.ctx
+    bandwidth = np.where(one_node, ctx.cluster.intra.bandwidth,
+                         ctx.cluster.inter.bandwidth)
+    latency = np.where(one_node, ctx.cluster.intra.latency,
+                       ctx.cluster.inter.latency)
+    # cluster.ring_allreduce_seconds, one group per entry.
+    seconds = (2 * (sizes - 1) / sizes * ctx.costs.param_bytes[stage]
+               / bandwidth + 2 * (sizes - 1) * latency)
+    multi = sizes > 1
+    finish = np.where(multi, starts + seconds, starts)
     applied = ready.copy()
-    synced, comm = [], []
-    for g, t in zip(groups, starts):
-      if len(g) > 1:
-        end, event = policy.averaged(self.ctx, stage, g, t)
-        synced.append(g)
-        comm.append(event)
-        applied[g] = end
-      else:
-        applied[g] = t
-    return policy.SyncOutcome(applied, tuple(synced), tuple(comm))
+    applied[members] = np.repeat(finish, sizes)
+    averaging = np.repeat(multi, sizes)
+    comm = ()
+    if multi.any():
+      comm = (policy.CommEvent(members[averaging],
+                               np.repeat(starts[multi], sizes[multi]),
+                               np.repeat(finish[multi], sizes[multi])),)
+    return policy.SyncOutcome(applied, groups, comm)
 
   def extras(self):
     return {"sdpipe_groups": self.scheduler.groups,
@@ -65,6 +83,7 @@ class SDPipe:
       connected (seed 002 §5.1 uses 10).
     window: T in seconds, how long a group stays open (seed 002 §5.1 uses
       1/N of the iteration time); `math.inf` degrades to all-reduce.
+    enforce: validate connectivity (§3.4); off, replicas may drift apart.
 
   References:
     Miao et al, SDPipe: A Semi-Decentralized Framework for Heterogeneity-aware
@@ -74,6 +93,7 @@ class SDPipe:
 
   history: int
   window: float
+  enforce: bool = True
   name = "sdpipe"
 
   def __post_init__(self):
@@ -85,14 +105,21 @@ class SDPipe:
                        "seconds")
 
   def start(self, ctx: policy.Context) -> policy.Runner:
-    return _SDPipeRunner(ctx, self.history, self.window)
+    return _SDPipeRunner(ctx, self.history, self.window, self.enforce)
 
 
-def sdpipe(history: int = 10, window: float = math.inf) -> SDPipe:
+def sdpipe(history: int = 10, window: float = math.inf,
+           enforce: bool = True) -> SDPipe:
   """SDPipe with connectivity budget P=`history` and window T=`window` seconds.
+
+  Time only; `stalepipe.sync.sdpipe(N, history, window)` is the same policy
+  with its numerics, and `simulate` takes it as it is.
 
   Examples:
     >>> sdpipe(10, 0.05).window
     0.05
   """
-  return SDPipe(history, window)
+  return SDPipe(history, window, enforce)
+
+
+policy.TIME_SIDES["sdpipe"] = lambda p: SDPipe(p.history, p.window, p.enforce)

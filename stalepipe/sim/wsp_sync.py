@@ -135,8 +135,14 @@ class WSP:
 def wsp(clock_distance: int, concurrent_minibatches: int) -> WSP:
   """WSP with clock distance D and N_m minibatches per wave (see `WSP`).
 
+  Time only; `stalepipe.sync.wsp(N, clock_distance, concurrent_minibatches)`
+  is the same policy with its numerics, and `simulate` takes it as it is.
+
   Examples:
     >>> wsp(0, 4).name
     'wsp'
   """
   return WSP(clock_distance, concurrent_minibatches)
+
+
+policy.TIME_SIDES["wsp"] = lambda p: WSP(p.clock_distance, p.wave)

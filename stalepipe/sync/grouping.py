@@ -12,73 +12,60 @@ once. The sync graph of the last `P` iterations, whose edges join members of
 a group, must stay connected (Assumption 1, §3.3): when this iteration's
 groups would break it, the scheduler makes the earliest group that bridges
 two components wait for the next group and merges them, until the graph is
-connected (§3.4, group validation; tracked with union-find as the
-implementation in §4 does). Deadlock prevention (§3.4): an enforcement on one
+connected (§3.4, group validation; §4 tracks components with union-find,
+here a breadth-first search over the last P iterations' group labels, in
+NumPy, and one scan in time order finds every merge). Deadlock prevention (§3.4): an enforcement on one
 stage may not begin while an enforcement on another stage is still waiting;
 such a validation is skipped for the iteration and counted.
 
 AD-PSGD (Lian et al. 2018): each iteration a random matching into pairs.
 """
 
-import collections
+import collections.abc
 
 import numpy as np
 
+_SWEEPS = 3  # breadth-first sweeps before the rest is labelled
 
-class UnionFind:
-  """Disjoint sets over `0..n-1` with path halving.
+
+class Groups(collections.abc.Sequence):
+  """Disjoint groups of workers, in time order: a sequence of index arrays.
+
+  Stored as the members of every group one after another and each group's
+  first position, so that a scheduler deciding thousands of iterations keeps
+  two arrays per iteration.
 
   Examples:
-    >>> uf = UnionFind(3)
-    >>> uf.union(0, 2); uf.find(2) == uf.find(0), uf.components
-    (True, 2)
+    >>> g = Groups(np.array([2, 0, 1]), np.array([0, 2, 3]))
+    >>> [x.tolist() for x in g], g.sizes.tolist()
+    ([[2, 0], [1]], [2, 1])
   """
 
-  def __init__(self, n: int):
-    self.parent = list(range(n))
-    self.components = n
+  def __init__(self, members: np.ndarray, offsets: np.ndarray):
+    self.members = members  # [N] int, group by group
+    self.offsets = offsets  # [groups + 1] int, where each group begins
 
-  def copy(self) -> "UnionFind":
-    other = UnionFind(0)
-    other.parent, other.components = list(self.parent), self.components
-    return other
+  def __len__(self) -> int:
+    return len(self.offsets) - 1
 
-  def find(self, x: int) -> int:
-    parent = self.parent
-    while parent[x] != x:
-      parent[x] = parent[parent[x]]
-      x = parent[x]
-    return x
+  def __getitem__(self, k):
+    if not -len(self) <= k < len(self):
+      raise IndexError(f"group {k} of {len(self)}")
+    k %= len(self)
+    return self.members[self.offsets[k]:self.offsets[k + 1]]
 
-  def union(self, a: int, b: int) -> None:
-    ra, rb = self.find(a), self.find(b)
-    if ra != rb:
-      self.parent[ra] = rb
-      self.components -= 1
+  @property
+  def sizes(self) -> np.ndarray:
+    return np.diff(self.offsets)
 
-
-def sync_graph(num_workers: int, groups, uf: UnionFind | None = None
-               ) -> UnionFind:
-  """The components of the sync graph whose edges join members of a group.
-
-  Args:
-    num_workers: N, the nodes.
-    groups: sequences of worker ids.
-    uf: components to start from (copied), default all apart.
-
-  Returns:
-    The components.
-  """
-  uf = UnionFind(num_workers) if uf is None else uf.copy()
-  for g in groups:
-    members = g.tolist() if isinstance(g, np.ndarray) else list(g)
-    for w in members[1:]:
-      uf.union(members[0], w)
-  return uf
+  def labels(self, num_workers: int) -> np.ndarray:
+    """`[N]` the group of each worker."""
+    out = np.empty(num_workers, np.int64)
+    out[self.members] = np.repeat(np.arange(len(self)), self.sizes)
+    return out
 
 
-def window_groups(ready: np.ndarray, window: float
-                  ) -> tuple[list[np.ndarray], list[float]]:
+def window_groups(ready: np.ndarray, window: float) -> tuple[Groups, list]:
   """Groups of workers whose ready signals fall within `window` of the first.
 
   Algorithm 2 of seed 002: a group opens at the earliest waiting signal and
@@ -96,20 +83,71 @@ def window_groups(ready: np.ndarray, window: float
   """
   order = np.argsort(ready, kind="stable")
   times = ready[order]
-  groups, starts = [], []
+  n = len(order)
+  closes = (times + window).tolist()
+  after = np.searchsorted(times, times + window, side="right").tolist()
+  firsts, starts = [], []
   i = 0
-  while i < len(order):
-    j = int(np.searchsorted(times, times[i] + window, side="right"))
-    groups.append(order[i:j])
-    starts.append(float(times[j - 1]) if j == len(order) else
-                  float(times[i] + window))
+  while i < n:
+    j = after[i]
+    firsts.append(i)
+    starts.append(float(times[j - 1]) if j == n else closes[i])
     i = j
-  return groups, starts
+  firsts.append(n)
+  return Groups(order, np.array(firsts)), starts
 
 
-def enforce(groups: list[np.ndarray], starts: list[float], history,
-            num_workers: int
-            ) -> tuple[list[np.ndarray], list[float], float | None]:
+def components(labels: np.ndarray, start: int = 0) -> tuple[np.ndarray, int]:
+  """Components of the graph joining workers that share a label in any row.
+
+  A few sweeps of breadth-first search from `start` (in SDPipe's sync graph,
+  a member of the largest group: most workers are reached at once), then
+  min-label propagation with pointer jumping over the workers not reached,
+  with the reached ones as one node.
+
+  Args:
+    labels: `[rows, N]` non-negative ints, distinct across rows (each row a
+      partition of the workers, e.g. one iteration's groups).
+    start: where the search begins.
+
+  Returns:
+    `(component [N], count)`: equal ids for workers of one component.
+
+  Examples:
+    >>> c, n = components(np.array([[0, 0, 1, 2], [3, 4, 5, 5]]))
+    >>> c.tolist(), n
+    ([0, 0, 2, 2], 2)
+  """
+  N = labels.shape[1]
+  hit = np.zeros(int(labels.max()) + 1, bool)
+  reached = np.zeros(N, bool)
+  reached[start] = True
+  for _ in range(_SWEEPS):
+    hit[labels[:, reached]] = True
+    reached = hit[labels].any(axis=0)
+  comp = np.full(N, start)
+  if reached.all():
+    return comp, 1
+  hit[labels[:, reached]] = True
+  rest = np.flatnonzero(~reached)
+  sub = labels[:, rest]
+  ids = np.where(hit[sub].any(axis=0), -1, rest)  # -1: joins `start`
+  low = np.zeros(len(hit), np.int64)
+  while True:
+    low[sub] = N
+    np.minimum.at(low, sub, np.broadcast_to(ids, sub.shape))
+    new = np.minimum(ids, low[sub].min(axis=0))
+    linked = new >= 0  # pointer jumping through the other workers' ids
+    new[linked] = new[np.searchsorted(rest, new[linked])]
+    if np.array_equal(new, ids):
+      break
+    ids = new
+  comp[rest] = np.where(ids < 0, start, ids)
+  return comp, len(np.unique(ids[ids >= 0])) + 1
+
+
+def enforce(groups: Groups, starts: list, history: np.ndarray,
+            num_workers: int) -> tuple[Groups, list, float | None]:
   """Merges groups in time order until `history + groups` is connected.
 
   The earliest group that does not share a component with the next one waits
@@ -119,7 +157,8 @@ def enforce(groups: list[np.ndarray], starts: list[float], history,
   Args:
     groups: this iteration's groups, in time order.
     starts: when each group's averaging starts.
-    history: the group lists of the previous `P - 1` iterations.
+    history: `[P - 1, N]` the group labels (`Groups.labels`) of the
+      previous iterations, one row each.
     num_workers: N, the replicas of the stage.
 
   Returns:
@@ -127,33 +166,58 @@ def enforce(groups: list[np.ndarray], starts: list[float], history,
     the earliest group that had to wait, None when none did.
 
   Examples:
-    >>> g, t, w = enforce([np.array([0]), np.array([1])], [0.0, 1.0], [], 2)
+    >>> g, _ = window_groups(np.array([0.0, 1.0]), 0.1)
+    >>> g, t, w = enforce(g, [0.0, 1.0], np.zeros((0, 2), int), 2)
     >>> [x.tolist() for x in g], t, w
     ([[0, 1]], [1.0], 0.0)
   """
-  groups, starts, waited_from = list(groups), list(starts), None
-  if any(len(g) == num_workers for g in groups):
-    return groups, starts, waited_from
-  past = sync_graph(num_workers, [g for it in history for g in it])
-  while True:
-    uf = sync_graph(num_workers, groups, past)
-    if uf.components == 1:
-      return groups, starts, waited_from
-    for j in range(len(groups) - 1):
-      if uf.find(int(groups[j][0])) != uf.find(int(groups[j + 1][0])):
-        if waited_from is None or starts[j] < waited_from:
-          waited_from = starts[j]
-        groups[j:j + 2] = [np.concatenate(groups[j:j + 2])]
-        starts[j:j + 2] = [max(starts[j:j + 2])]
-        break
+  sizes = groups.sizes
+  if (sizes == num_workers).any():
+    return groups, starts, None
+  rows = np.concatenate([history, groups.labels(num_workers)[None]])
+  rows += (num_workers * np.arange(len(rows)))[:, None]  # distinct per row
+  largest = groups.offsets[np.argmax(sizes)]
+  comp, count = components(rows, start=int(groups.members[largest]))
+  if count == 1:
+    return groups, starts, None
+  # Merging groups j and j+1 unites their components; the groups before j
+  # stay in one component each with their successor, so one scan in time
+  # order finds every merge, and only where the component changes.
+  heads = comp[groups.members[groups.offsets[:-1]]]
+  changes = (np.flatnonzero(heads[1:] != heads[:-1]) + 1).tolist()
+  parent = {}
+
+  def find(c):
+    while parent.get(c, c) != c:
+      c = parent[c]
+    return c
+
+  heads = heads.tolist()
+  kept = np.ones(len(groups), bool)
+  run, waited_from = 0, None  # run: where the group before j begins
+  for j in changes:
+    here, there = find(heads[j - 1]), find(heads[j])
+    if count > 1 and here != there:
+      if kept[j - 1]:
+        run = j - 1
+      waited = max(starts[run:j])
+      if waited_from is None or waited < waited_from:
+        waited_from = waited
+      parent[there] = here
+      count -= 1
+      kept[j] = False
+  firsts = np.flatnonzero(kept)
+  merged = np.maximum.reduceat(np.asarray(starts), firsts).tolist()
+  offsets = np.append(groups.offsets[:-1][kept], num_workers)
+  return Groups(groups.members, offsets), merged, waited_from
 
 
 class Scheduler:
   """SDPipe's central scheduler: Algorithm 2 with §3.4's validation.
 
-  Per stage it keeps the groups of the last P-1 iterations; a validation that
-  would make a group wait while another stage's enforcement is still waiting
-  is skipped (deadlock prevention) and recorded.
+  Per stage it keeps the group labels of the last P-1 iterations; a
+  validation that would make a group wait while another stage's enforcement
+  is still waiting is skipped (deadlock prevention) and recorded.
 
   Examples:
     >>> sched = Scheduler(1, history=1, window=0.1)
@@ -164,20 +228,22 @@ class Scheduler:
 
   def __init__(self, num_stages: int, history: int, window: float,
                enforce: bool = True):
-    self.window, self.enforce = window, enforce
-    self.past = [collections.deque(maxlen=history - 1)
-                 for _ in range(num_stages)]
+    self.window, self.enforce, self.history = window, enforce, history
+    self.past = [None] * num_stages  # [P - 1, N] labels, oldest first
     self.waiting = {}  # stage -> (begin, end) of its last enforcement wait
     self.groups = [[] for _ in range(num_stages)]  # per stage, per iteration
     self.skipped = []  # (stage, iteration) whose validation was skipped
 
   def decide(self, stage: int, iteration: int, ready: np.ndarray
-             ) -> tuple[list[np.ndarray], list[float]]:
+             ) -> tuple[Groups, list]:
     """This iteration's groups of `stage` and when each starts averaging."""
+    n = len(ready)
+    if self.past[stage] is None:
+      self.past[stage] = np.zeros((0, n), np.int64)
     groups, starts = window_groups(ready, self.window)
     if self.enforce:
       checked, checked_starts, begin = enforce(groups, starts,
-                                               self.past[stage], len(ready))
+                                               self.past[stage], n)
       if begin is not None:
         if any(s != stage and b <= begin < e
                for s, (b, e) in self.waiting.items()):
@@ -185,18 +251,28 @@ class Scheduler:
         else:
           self.waiting[stage] = (begin, max(checked_starts))
           groups, starts = checked, checked_starts
-    self.past[stage].append(groups)
+    rows = np.concatenate([self.past[stage], groups.labels(n)[None]])
+    self.past[stage] = rows[max(0, len(rows) - (self.history - 1)):]
     self.groups[stage].append(groups)
     return groups, starts
 
 
-def random_pairs(num_pipelines: int, rng: np.random.Generator
-                 ) -> list[np.ndarray]:
+def random_pairs(num_pipelines: int, rng: np.random.Generator,
+                 matched_only: bool = False) -> list[np.ndarray] | np.ndarray:
   """A random matching of the pipelines into pairs (one left alone if odd).
+
+  Args:
+    num_pipelines: N.
+    rng: draws one permutation.
+    matched_only: return the pairs alone, as one `[N // 2, 2]` array.
 
   Examples:
     >>> sorted(len(g) for g in random_pairs(5, np.random.default_rng(0)))
     [1, 2, 2]
+    >>> random_pairs(5, np.random.default_rng(0), matched_only=True).shape
+    (2, 2)
   """
   order = rng.permutation(num_pipelines)
+  if matched_only:
+    return order[:num_pipelines // 2 * 2].reshape(-1, 2)
   return [order[k:k + 2] for k in range(0, num_pipelines, 2)]

@@ -1,0 +1,168 @@
+r"""The reference simulator: one NumPy step per task, plain and obviously right.
+
+It is the oracle the fast engine (`stalepipe.sim.engine`) is tested against,
+event for event, as `stalepipe.pipeline.reference` is for the executor.
+
+The rules (when a task starts and ends, what a sync does) are those of
+`stalepipe.sim.engine`; here each task is one NumPy step over all pipelines
+with nothing skipped, link delays are one row per task, and observed
+staleness keeps the full `know[s][i, j]` matrix of every stage.
+"""
+
+from typing import Sequence
+
+import numpy as np
+
+from stalepipe.schedules import core
+from stalepipe.schedules import kinds
+from stalepipe.sim import cluster as cluster_lib
+from stalepipe.sim import engine
+from stalepipe.sim.result import SimResult
+
+
+def _compile(schedule: core.Schedule,
+             costs: cluster_lib.StageCosts) -> engine.Program:
+  S, B = schedule.num_stages, schedule.num_minibatches
+  tasks = schedule.tasks
+  T = len(tasks)
+  fwd, bwd = {}, {}
+  for i, t in enumerate(tasks):
+    if schedule.kind(t).runs_forward:
+      fwd[(t.minibatch, t.microbatch, t.stage)] = i
+    if kinds.INPUT_COTANGENT in schedule.kind(t).produces:
+      bwd[(t.minibatch, t.microbatch, t.stage)] = i
+  plan = {k: np.full(T, -1) for k in ("stage", "minibatch", "dep", "boundary",
+                                      "version")}
+  volume, base = np.zeros(T), np.zeros(T)
+  first, trigger = np.zeros(T, bool), np.zeros(T, bool)
+  backward_version = np.full((S, B), np.iinfo(np.int64).max)
+  first_task = np.full((S, B), -1)
+  last_backward = np.full((S, B), -1)
+  own, triggered = np.zeros(T, int), [0] * S
+  for i, t in enumerate(tasks):
+    s, p, m = t.stage, t.minibatch, t.microbatch
+    plan["stage"][i], plan["minibatch"][i] = s, p
+    plan["version"][i] = v = schedule.task_version(t)
+    if first_task[s, p] < 0:
+      first_task[s, p], first[i] = i, True
+    kind, covered = schedule.kind(t), schedule.covered_microbatches(t)
+    base[i] = costs.seconds(kind, s) * len(covered)
+    if kind.runs_forward and s > 0:
+      dep, plan["boundary"][i], volume[i] = fwd.get((p, m, s - 1)), s - 1, 1
+    elif kinds.OUTPUT_COTANGENT in kind.consumes and s < S - 1:
+      dep, plan["boundary"][i] = bwd.get((p, m, s + 1)), s
+      volume[i] = len(covered)
+    elif not kind.runs_forward:
+      dep = fwd.get((p, covered[-1], s))
+    else:  # a forward on stage 0 reads the data
+      dep = -1
+    if dep != -1:
+      if dep is None or dep >= i:
+        raise ValueError(f"{t} of schedule {schedule.name!r} runs before the "
+                         "task whose output it needs")
+      plan["dep"][i] = dep
+    if kind.closes_update:
+      last_backward[s, p] = i
+    if kind.runs_backward:
+      backward_version[s, p] = min(backward_version[s, p], v)
+  trigger[last_backward[last_backward >= 0]] = True
+  engine.check_update_order(last_backward, schedule.name)
+  for i, t in enumerate(tasks):
+    own[i] = triggered[t.stage]
+    triggered[t.stage] += int(trigger[i])
+    v = plan["version"][i]
+    if v > 0 and last_backward[t.stage, v - 1] >= i:
+      raise ValueError(f"{t} reads version {v} before stage {t.stage} applies "
+                       f"the update of minibatch {v - 1}")
+  return engine.Program(volume=volume, first=first, own=own, trigger=trigger,
+                        base=base, cost_class=None,
+                        backward_version=backward_version,
+                        first_task=first_task, **plan)
+
+
+def simulate(schedule: core.Schedule, cluster: cluster_lib.Cluster,
+             costs: cluster_lib.StageCosts,
+             policy=None, *,
+             perturbations: Sequence = (), seed: int = 0) -> SimResult:
+  """`stalepipe.sim.simulate`, one NumPy step per task (same arguments)."""
+  policy, runner, delay, scale, update = engine.start_run(
+      schedule, cluster, costs, policy, perturbations, seed)
+  S, B, N = schedule.num_stages, schedule.num_minibatches, cluster.num_pipelines
+  plan = _compile(schedule, costs)
+  xfer = _transfers(plan, cluster, costs)
+
+  T = len(plan.stage)
+  start, end = np.zeros((T + 1, N)), np.zeros((T + 1, N))
+  ready = np.zeros((T, N))
+  blocked, sleep_at, sleep = (np.zeros((T, N)) for _ in range(3))
+  free = np.zeros((S, N))
+  applied = np.full((S, B + 1, N), np.inf)
+  applied[:, 0] = 0.0
+  local_end = np.zeros((S, B, N))
+  # know[s][i, j]: updates of replica j that replica i's stage s reflects,
+  # kept for the versions a later backward may still read (a ring buffer).
+  know = np.zeros((S, N, N), dtype=np.int64)
+  depth = int((np.arange(1, B + 1)[None] - plan.backward_version).max()) + 1
+  history = np.zeros((S, depth, N, N), dtype=np.int64)
+  reflected = np.zeros((S, B, N), dtype=np.int64)
+  diagonal = np.arange(N)
+  comm = []
+  stage, minibatch, dep = plan.stage.tolist(), plan.minibatch.tolist(), plan.dep
+  version, first, trigger = plan.version.tolist(), plan.first, plan.trigger
+  base, gates, own = plan.base, runner.gates, plan.own
+  for i in range(T):
+    s, p = stage[i], minibatch[i]
+    f = free[s]
+    if first[i]:
+      synced = np.maximum(f, applied[s, own[i]])
+      blocked[i], sleep_at[i], sleep[i] = synced - f, synced, delay[p, s]
+      f = synced + sleep[i]
+    r = np.maximum(f, end[dep[i]] + xfer[i])
+    st = np.maximum(r, applied[s, version[i]])
+    if gates and first[i]:
+      st = np.maximum(st, runner.gate(s, p))
+    e = st + base[i] * scale[p, s]
+    ready[i], start[i], end[i] = r, st, e
+    if not trigger[i]:
+      free[s] = e
+      continue
+    e = e + update[p, s]
+    free[s] = local_end[s, p] = e
+    out = runner.sync(s, p, e)
+    applied[s, p + 1] = np.maximum(out.applied, applied[s, p])
+    read = history[s, plan.backward_version[s, p] % depth]
+    floor = runner.floor(s, start[plan.first_task[s, p]])
+    reflected[s, p] = np.maximum(read, floor[:, None]).sum(axis=1)
+    k = know[s]
+    k[diagonal, diagonal] = p + 1
+    for g in out.groups:
+      k[g] = k[g].max(axis=0)
+    history[s, (p + 1) % depth] = k
+    comm.extend((s, c) for c in out.comm)
+
+  start, end = start[:T], end[:T]
+  busy = np.zeros((S, N))
+  wait = np.zeros((S, N))
+  for s in range(S):
+    mine = plan.stage == s
+    busy[s] = (end[mine] - start[mine]).sum(0)
+    wait[s] = (start[mine] - ready[mine] + blocked[mine]).sum(0)
+  return engine.finish_run(schedule, cluster, costs, policy, runner,
+                           start=start, end=end, ready=ready, blocked=blocked,
+                           sleep_at=sleep_at, sleep=sleep, applied=applied,
+                           local_end=local_end, reflected=reflected,
+                           busy=busy, wait=wait, delay=delay, update=update,
+                           comm=comm)
+
+
+def _transfers(plan: engine.Program, cluster: cluster_lib.Cluster,
+               costs: cluster_lib.StageCosts) -> np.ndarray:
+  """`[T, N]` seconds each task's input spends on the link (0 without one)."""
+  N = cluster.num_pipelines
+  latency, bandwidth = engine.link_grid(cluster)
+  xfer = np.zeros((len(plan.stage), N))
+  has = plan.boundary >= 0
+  b = plan.boundary[has]
+  volume = plan.volume[has] * np.asarray(costs.activation_bytes)[b]
+  xfer[has] = latency[b] + volume[:, None] / bandwidth[b]
+  return xfer

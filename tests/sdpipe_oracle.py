@@ -1,0 +1,108 @@
+"""SDPipe's scheduler as it was first written: union-find, group lists.
+
+The oracle the vectorised `stalepipe.sync.grouping` is tested against,
+decision for decision (seed 002 §3.2-3.4).
+"""
+
+import collections
+
+import numpy as np
+
+
+class UnionFind:
+
+  def __init__(self, n: int):
+    self.parent = list(range(n))
+    self.components = n
+
+  def copy(self) -> "UnionFind":
+    other = UnionFind(0)
+    other.parent, other.components = list(self.parent), self.components
+    return other
+
+  def find(self, x: int) -> int:
+    parent = self.parent
+    while parent[x] != x:
+      parent[x] = parent[parent[x]]
+      x = parent[x]
+    return x
+
+  def union(self, a: int, b: int) -> None:
+    ra, rb = self.find(a), self.find(b)
+    if ra != rb:
+      self.parent[ra] = rb
+      self.components -= 1
+
+
+def sync_graph(num_workers: int, groups, uf: UnionFind | None = None
+               ) -> UnionFind:
+  uf = UnionFind(num_workers) if uf is None else uf.copy()
+  for g in groups:
+    members = g.tolist() if isinstance(g, np.ndarray) else list(g)
+    for w in members[1:]:
+      uf.union(members[0], w)
+  return uf
+
+
+def window_groups(ready: np.ndarray, window: float
+                  ) -> tuple[list[np.ndarray], list[float]]:
+  order = np.argsort(ready, kind="stable")
+  times = ready[order]
+  groups, starts = [], []
+  i = 0
+  while i < len(order):
+    j = int(np.searchsorted(times, times[i] + window, side="right"))
+    groups.append(order[i:j])
+    starts.append(float(times[j - 1]) if j == len(order) else
+                  float(times[i] + window))
+    i = j
+  return groups, starts
+
+
+def enforce(groups: list[np.ndarray], starts: list[float], history,
+            num_workers: int
+            ) -> tuple[list[np.ndarray], list[float], float | None]:
+  groups, starts, waited_from = list(groups), list(starts), None
+  if any(len(g) == num_workers for g in groups):
+    return groups, starts, waited_from
+  past = sync_graph(num_workers, [g for it in history for g in it])
+  while True:
+    uf = sync_graph(num_workers, groups, past)
+    if uf.components == 1:
+      return groups, starts, waited_from
+    for j in range(len(groups) - 1):
+      if uf.find(int(groups[j][0])) != uf.find(int(groups[j + 1][0])):
+        if waited_from is None or starts[j] < waited_from:
+          waited_from = starts[j]
+        groups[j:j + 2] = [np.concatenate(groups[j:j + 2])]
+        starts[j:j + 2] = [max(starts[j:j + 2])]
+        break
+
+
+class Scheduler:
+
+  def __init__(self, num_stages: int, history: int, window: float,
+               enforce: bool = True):
+    self.window, self.enforce = window, enforce
+    self.past = [collections.deque(maxlen=history - 1)
+                 for _ in range(num_stages)]
+    self.waiting = {}  # stage -> (begin, end) of its last enforcement wait
+    self.groups = [[] for _ in range(num_stages)]  # per stage, per iteration
+    self.skipped = []  # (stage, iteration) whose validation was skipped
+
+  def decide(self, stage: int, iteration: int, ready: np.ndarray
+             ) -> tuple[list[np.ndarray], list[float]]:
+    groups, starts = window_groups(ready, self.window)
+    if self.enforce:
+      checked, checked_starts, begin = enforce(groups, starts,
+                                               self.past[stage], len(ready))
+      if begin is not None:
+        if any(s != stage and b <= begin < e
+               for s, (b, e) in self.waiting.items()):
+          self.skipped.append((stage, iteration))
+        else:
+          self.waiting[stage] = (begin, max(checked_starts))
+          groups, starts = checked, checked_starts
+    self.past[stage].append(groups)
+    self.groups[stage].append(groups)
+    return groups, starts

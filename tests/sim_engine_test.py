@@ -1,0 +1,217 @@
+"""The fast simulator against the reference one, event for event.
+
+`stalepipe.sim.engine` (compiled index arrays, in-place rows, O(N) staleness,
+the vectorised SDPipe scheduler) must reproduce `stalepipe.sim.reference`
+(one NumPy step per task, an N x N matrix per stage) and SDPipe's scheduler as
+first written (`sdpipe_oracle`: union-find over group lists).
+"""
+
+import itertools
+
+import numpy as np
+import pytest
+
+import sdpipe_oracle
+import stalepipe as sp
+from stalepipe.sim import engine
+from stalepipe.sim import knowledge
+from stalepipe.sim import reference
+from stalepipe.sim import sdpipe_sync
+from stalepipe.sync import grouping
+
+EXACT = ("start", "end", "ready", "blocked", "sleep_at", "sleep", "applied",
+         "staleness", "update_seconds")
+POLICIES = {
+    "isolated": lambda: sp.sim.isolated(),
+    "bsp": lambda: sp.sim.bsp(),
+    "local_sgd": lambda: sp.sim.local_sgd(3),
+    "parameter_server": lambda: sp.sim.parameter_server(),
+    "ad_psgd": lambda: sp.sim.ad_psgd(),
+    "sdpipe": lambda: sp.sim.sdpipe(3, 0.01),
+    "sdpipe_p1": lambda: sp.sim.sdpipe(1, 0.002),
+}
+SCHEDULES = [("1f1b", 2, {}), ("gpipe", 2, {}), ("pipedream", 3, {}),
+             ("2bw", 3, {}), ("zb-h1", 3, {}), ("zb-async", 3, {}),
+             ("timeprest", 2, {}), ("hetpipe", 1, {"concurrent_minibatches": 3})]
+
+
+def cluster(N, S):
+  return sp.sim.Cluster.grid(N, S, devices_per_node=4,
+                             inter=sp.sim.Link(2e9, 1e-4),
+                             ps=sp.sim.Link(1e9, 1e-4))
+
+
+def schedule(name, S, M, B, **kw):
+  short = sp.schedules.make(name, num_stages=S, num_microbatches=M,
+                            num_minibatches=3 * S + 8, **kw)
+  return sp.sim.tile(short, B)
+
+
+def costs(S):
+  return sp.sim.StageCosts.uniform(S, 0.01, 0.02, weight_gradient=0.01,
+                                   param_bytes=2e6, activation_bytes=1e6,
+                                   update=0.001, samples_per_microbatch=4)
+
+
+def comm(result):
+  return sorted((s, int(i), float(a), float(b)) for s, e in result.comm
+                for i, a, b in zip(e.pipelines, e.start, e.end))
+
+
+def groups(result):
+  return [[[g.tolist() for g in it] for it in stage]
+          for stage in result.extras.get("sdpipe_groups", [])]
+
+
+def assert_same(fast, slow):
+  for field in EXACT:
+    np.testing.assert_array_equal(getattr(fast, field), getattr(slow, field),
+                                  err_msg=field)
+  assert fast.makespan == slow.makespan
+  for field in ("busy", "wait", "idle", "delayed"):
+    np.testing.assert_allclose(getattr(fast, field), getattr(slow, field),
+                               rtol=1e-12, atol=1e-12, err_msg=field)
+  np.testing.assert_array_equal(fast.applied_local, slow.applied_local)
+  assert comm(fast) == comm(slow)
+  assert groups(fast) == groups(slow)
+  for key in ("sdpipe_skipped", "wsp_clock_times", "wsp_global_visible"):
+    if key in slow.extras:
+      np.testing.assert_array_equal(fast.extras[key], slow.extras[key])
+
+
+@pytest.mark.parametrize("policy", list(POLICIES))
+@pytest.mark.parametrize("N", [1, 3, 6])
+def test_engine_equals_reference_for_every_policy(policy, N):
+  S = 3
+  s = schedule("1f1b", S, 2, 40)
+  hete = [sp.sim.hete("B"), sp.sim.Stragglers(0.3, 0.004)]
+  fast = sp.sim.simulate(s, cluster(N, S), costs(S), POLICIES[policy](),
+                         perturbations=hete, seed=N)
+  slow = reference.simulate(s, cluster(N, S), costs(S), POLICIES[policy](),
+                            perturbations=hete, seed=N)
+  assert_same(fast, slow)
+
+
+@pytest.mark.parametrize("name,M,kw", SCHEDULES)
+@pytest.mark.parametrize("policy", ["ad_psgd", "sdpipe", "wsp"])
+def test_engine_equals_reference_for_every_schedule(name, M, kw, policy):
+  S, N = 3, 4
+  s = schedule(name, S, M, 30, **kw)
+  make = (lambda: sp.sim.wsp(2, 3)) if policy == "wsp" else POLICIES[policy]
+  speeds = sp.sim.Cluster(tuple(
+      tuple(sp.sim.Device(speed=0.5 + 0.25 * ((i + k) % 3), node=i // 2)
+            for k in range(S)) for i in range(N)))
+  trace = sp.sim.Trace(np.random.default_rng(0).uniform(0.8, 1.5, (7, N * S)))
+  for c in (cluster(N, S), speeds):
+    fast = sp.sim.simulate(s, c, costs(S), make(),
+                           perturbations=[sp.sim.hete("A"), trace], seed=2)
+    slow = reference.simulate(s, c, costs(S), make(),
+                              perturbations=[sp.sim.hete("A"), trace], seed=2)
+    assert_same(fast, slow)
+
+
+@pytest.mark.parametrize("name,M,kw", SCHEDULES + [("zb-h2", 3, {})])
+def test_compiled_schedule_equals_reference(name, M, kw):
+  S = 4
+  s = schedule(name, S, M, 20, **kw)
+  fast = engine.compile_schedule(s, costs(S))
+  slow = reference._compile(s, costs(S))  # pylint: disable=protected-access
+  for field in slow._fields:
+    if getattr(slow, field) is None:  # what only the fast engine uses
+      continue
+    np.testing.assert_array_equal(getattr(fast, field), getattr(slow, field),
+                                  err_msg=field)
+
+
+class OracleScheduler:
+  """Today's union-find scheduler behind the vectorised one's interface."""
+
+  def __init__(self, num_stages, history, window, enforce=True):
+    self.inner = sdpipe_oracle.Scheduler(num_stages, history, window, enforce)
+    self.groups, self.skipped = self.inner.groups, self.inner.skipped
+
+  def decide(self, stage, iteration, ready):
+    found, starts = self.inner.decide(stage, iteration, ready)
+    sizes = [len(g) for g in found]
+    return grouping.Groups(np.concatenate(found),
+                           np.concatenate([[0], np.cumsum(sizes)])), starts
+
+
+@pytest.mark.parametrize("history,window", [(1, 0.002), (3, 0.004),
+                                            (10, 0.01), (4, 0.0)])
+def test_sdpipe_run_equals_union_find_scheduler(history, window, monkeypatch):
+  S, N = 3, 9
+  s = schedule("1f1b", S, 2, 50)
+  run = lambda: sp.sim.simulate(
+      s, cluster(N, S), costs(S), sp.sim.sdpipe(history, window),
+      perturbations=[sp.sim.hete("B")], seed=history)
+  fast = run()
+  monkeypatch.setattr(sdpipe_sync, "Scheduler", OracleScheduler)
+  slow = run()
+  assert_same(fast, slow)
+  assert fast.extras["sdpipe_skipped"] == slow.extras["sdpipe_skipped"]
+
+
+def test_scheduler_decides_as_union_find_on_random_ready_times():
+  rng = np.random.default_rng(0)
+  for trial in range(60):
+    N, S = int(rng.integers(1, 12)), int(rng.integers(1, 4))
+    history, window = int(rng.integers(1, 6)), float(rng.uniform(0, 0.3))
+    new = grouping.Scheduler(S, history, window)
+    old = sdpipe_oracle.Scheduler(S, history, window)
+    for k in range(12):
+      ready = rng.random((S, N)) + 0.2 * k
+      for stage in rng.permutation(S).tolist():
+        g_new, t_new = new.decide(stage, k, ready[stage])
+        g_old, t_old = old.decide(stage, k, ready[stage])
+        assert [g.tolist() for g in g_new] == [g.tolist() for g in g_old], (
+            trial, k, stage)
+        assert t_new == t_old
+    assert new.skipped == old.skipped
+
+
+def test_components_equal_breadth_first_search():
+  rng = np.random.default_rng(1)
+  for _ in range(200):
+    R, N = int(rng.integers(1, 6)), int(rng.integers(1, 30))
+    rows = rng.integers(0, int(rng.integers(1, N + 1)), (R, N))
+    rows += (N * np.arange(R))[:, None]
+    comp, count = grouping.components(rows, start=int(rng.integers(N)))
+    uf = sdpipe_oracle.sync_graph(
+        N, [np.flatnonzero(row == label) for row in rows
+            for label in np.unique(row)])
+    assert count == uf.components
+    for a, b in itertools.combinations(range(N), 2):
+      assert (comp[a] == comp[b]) == (uf.find(a) == uf.find(b))
+
+
+def test_knowledge_equals_the_dense_matrix():
+  """Row sums of know (today's N x N bookkeeping), with floors and reads of
+  versions older than the current one."""
+  rng = np.random.default_rng(2)
+  for N, depth in ((1, 2), (5, 2), (6, 3), (7, 5)):
+    B = 30
+    kept = np.ones(B + 1, bool)
+    fast = knowledge.Knowledge(N, B + 1, depth, kept)
+    know = np.zeros((N, N), np.int64)
+    history = {0: know.copy()}
+    for p in range(B):
+      version = int(rng.integers(max(0, p + 2 - depth), p + 1))
+      floor = rng.integers(0, 3, N) * int(rng.random() < 0.3)
+      want = np.maximum(history[version], floor[:, None]).sum(axis=1)
+      np.testing.assert_array_equal(fast.reflected(version, floor), want)
+      kind = rng.integers(4)
+      if kind == 0:
+        found = ()
+      elif kind == 1:
+        found = (np.arange(N),)
+      else:
+        order = rng.permutation(N)
+        cuts = np.sort(rng.choice(np.arange(1, N), rng.integers(0, N) // 2,
+                                  replace=False)) if N > 1 else []
+        found = tuple(np.split(order, cuts))
+      fast.update(p, found)
+      know[np.arange(N), np.arange(N)] = p + 1
+      for g in found:
+        know[g] = know[g].max(axis=0)
+      history[p + 1] = know.copy()
