@@ -73,6 +73,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # "recompute": a backward task recomputes its forward from the kept input;
   # "residuals": the forward keeps its jax.vjp residuals (more memory).
   config.remat = "recompute"
+  # What the update rule steps on (stalepipe.pipeline.scope): "auto" (the
+  # whole model where the rule couples stages, e.g. grad_clip_norm), "model"
+  # or "stage" (each stage's own tree).
+  config.optimizer_scope = "auto"
   # Synchronisation across the data replicas (stalepipe.sync).
   config.sync = "bsp"
   config.sync_kwargs = ml_collections.ConfigDict()

@@ -27,4 +27,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       # as stale_params, so the transform keeps no history of its own.
       ("delay_compensation", {"lam": 0.2, "form": "full",
                               "adaptive": "current", "delay": 0}),)
+  # Full DC's <g, dx> couples the parameters it spans, and PipeDream applies
+  # each minibatch's update on its stages at different ticks, so a whole-model
+  # product cannot be taken. SAPipe takes it over one worker's parameters
+  # (eq. 1); here each stage is one worker: the product is per stage, said so.
+  config.optimizer_scope = "stage"
   return config

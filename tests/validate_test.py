@@ -175,6 +175,8 @@ def test_accepted_keys_come_from_the_registered_factories():
      "server='max' is invalid; valid: 'sum' or 'mean'"),
     ("remat", "keep", "remat='keep' is invalid; valid: 'recompute' or "
      "'residuals'"),
+    ("optimizer_scope", "global", "optimizer_scope='global' is invalid; "
+     "valid: 'auto' or 'model' or 'stage'"),
 ])
 def test_optimizer_parts_are_refused_in_one_line(key, value, message):
   config = default.get_config()

@@ -180,8 +180,10 @@ def _train(config: ml_collections.ConfigDict, workdir: str,
                            schedule.options.get("concurrent_minibatches", 1))
   sync = sync_lib.make(config.sync, num_replicas=D, **sync_kwargs)
   pipe = executor.Pipeline(staged.stage_fns, loss_fn, schedule, optimizer,
-                           mesh, sync=sync, remat=config.get("remat",
-                                                             "recompute"))
+                           mesh, sync=sync,
+                           remat=config.get("remat", "recompute"),
+                           optimizer_scope=config.get("optimizer_scope",
+                                                      "auto"))
   model_fn = jax.jit(models.unpipelined(staged))
   batch(0)  # a window that does not fit the data fails here, not later
 

@@ -31,6 +31,7 @@ from stalepipe import schedules
 from stalepipe import sync as sync_lib
 from stalepipe.train import input_pipeline
 from stalepipe.pipeline import residuals as residuals_lib
+from stalepipe.pipeline import scope as scope_lib
 from stalepipe.train import optimizers
 
 # Ranges as (test, what is valid). A key absent here is checked for its
@@ -310,6 +311,13 @@ def _check_remat(config) -> None:
                   " or ".join(map(repr, residuals_lib.REMATS))))
 
 
+def _check_optimizer_scope(config) -> None:
+  if "optimizer_scope" in config:
+    _check_range("optimizer_scope", config.optimizer_scope,
+                 (lambda v: v in scope_lib.SCOPES,
+                  " or ".join(map(repr, scope_lib.SCOPES))))
+
+
 def _check_optimizer_parts(config) -> None:
   """Learning-rate schedule, weight decay, clipping and wrapper (issue 14's
   fields), when the config has them."""
@@ -337,3 +345,4 @@ def check(config) -> None:
   _check_schedule_and_sync(config)
   _check_update_rule(config)
   _check_remat(config)
+  _check_optimizer_scope(config)
