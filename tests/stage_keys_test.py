@@ -118,6 +118,7 @@ def test_wants_reads_the_signature():
   assert bound(None, 1)[0] == 3
 
 
+@pytest.mark.slow
 def test_resume_with_dropout_is_bit_exact():
   """A run saved to the host after one window and restored into a fresh
   pipeline continues bit for bit: the keys come from (seed, minibatch,
