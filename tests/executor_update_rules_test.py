@@ -79,8 +79,9 @@ _NO_STASH = {"weight_stashing": False}
 # data parallel); SpecTrain and PipeMare on asynchronous pipelines without
 # weight stashing (their setting), where a backward reads newer weights than
 # its forward (since_forward > 0), and PipeMare on nF1B.
-_CASES = [("wp1", "gpipe", {}, 1, 4), ("wp2", "1f1b", {}, 2, 2),
-          ("wp3", "gpipe", {}, 2, 2),
+_CASES = [pytest.param("wp1", "gpipe", {}, 1, 4, marks=pytest.mark.slow),
+          ("wp2", "1f1b", {}, 2, 2),
+          pytest.param("wp3", "gpipe", {}, 2, 2, marks=pytest.mark.slow),
           pytest.param("wp3", "gpipe", {}, 1, 4, marks=pytest.mark.slow),
           ("spectrain", "pipedream", _NO_STASH, 3, 1),
           pytest.param("spectrain", "pipedream", {}, 3, 2,
@@ -176,7 +177,9 @@ def test_pipeline_hands_the_contract_arguments(name, stale):
     assert any(b > 0 for _, b in seen["predict"])  # nF1B backward reads newer
 
 
-@pytest.mark.parametrize("option", [1, 2, 3])
+@pytest.mark.parametrize("option", [
+    1, pytest.param(2, marks=pytest.mark.slow),
+    pytest.param(3, marks=pytest.mark.slow)])
 def test_sapipe_weight_prediction_equals_a_data_parallel_loop(option):
   """Seed 004 Algorithm 3 as a user writes it (the WeightPrediction
   docstring's train_step, per worker, gradients averaged by hand) equals the
