@@ -96,11 +96,12 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # ("WeightPrediction", {"option": 3, "lam": 0.2}); () = none.
   config.optimizer_wrapper = ()
   config.num_steps = 800  # minibatches
-  # Logging, evaluation and checkpoints; intervals in windows, 0 = only at
-  # the end.
-  config.log_every = 10
-  config.eval_every = 50
-  config.checkpoint_every = 50
+  # Logging, evaluation and checkpoints; intervals in steps (minibatches),
+  # each honoured at the end of the window that reaches it; 0 = only at the
+  # end.
+  config.log_every = 40
+  config.eval_every = 200
+  config.checkpoint_every = 200
   config.keep_checkpoints = 2
   config.plots = True
 

@@ -46,7 +46,7 @@ def main():
             "optimizer_kwargs.learning_rate": args.lr, **overrides},
             os.path.join(tmp, f"{name}_{seed}".replace(" ", "_")))
         row = ((np.nan, np.nan) if summary is None else
-               (summary["final_loss"], summary["test_accuracy"]))
+               (summary["final_training_loss"], summary["test_accuracy"]))
         results.setdefault(name, []).append(row)
         print(f"seed {seed} {name:14s} loss {row[0]:.4f} "
               f"accuracy {row[1]:.4f}", flush=True)

@@ -18,7 +18,9 @@ sys.path.insert(0, str(ROOT))
 
 from configs import common  # pylint: disable=g-import-not-at-top
 from configs import default  # pylint: disable=g-import-not-at-top
+from stalepipe import data  # pylint: disable=g-import-not-at-top
 from stalepipe import models  # pylint: disable=g-import-not-at-top
+from stalepipe.models import losses  # pylint: disable=g-import-not-at-top
 from stalepipe import schedules  # pylint: disable=g-import-not-at-top
 from stalepipe import sync  # pylint: disable=g-import-not-at-top
 from stalepipe.train import input_pipeline  # noqa: E402
@@ -47,8 +49,8 @@ def test_config_names_valid_parts(filename):
   assert config.schedule in schedules.names()
   assert config.sync in sync.names()
   assert config.model in models.names()
-  assert config.dataset in input_pipeline.DATASETS
-  assert config.loss in trainer.LOSSES
+  assert config.dataset in data.names()
+  assert config.loss in losses.names()
   optimizers.make(config.transforms, config.optimizer, config.optimizer_kwargs,
                   num_replicas=config.num_replicas)
   assert config.num_replicas * config.num_stages <= 8
@@ -89,7 +91,7 @@ def test_every_variant_builds_its_model_for_its_data(variant, tmp_path):
                            config.input_shape)
   blocks = nnx.eval_shape(lambda: models.make(  # shapes only: fast
       config.model, **config.model_kwargs,
-      **trainer.model_kwargs(config.model, ds.x_test[0], ds.num_classes)))
+      **models.data_kwargs(config.model, ds.x_test[0], ds.num_classes)))
   staged = models.split(blocks, 1)
   y = jax.eval_shape(staged.stage_fns[0], staged.stage_params[0],
                      ds.x_test[:2])

@@ -21,8 +21,8 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 FLAGS = ["--config=configs/pipedream.py", "--config.num_steps=24",
          "--config.model_kwargs.hidden=16", "--config.eval_every=0",
-         "--config.plots=False", "--config.checkpoint_every=3",
-         "--config.log_every=3"]
+         "--config.plots=False", "--config.checkpoint_every=12",
+         "--config.log_every=12"]
 
 
 def _free_port() -> int:

@@ -65,7 +65,7 @@ def test_global_batch_is_independent_of_the_process_count():
 
 @pytest.mark.parametrize("name,kwargs,match", [
     ("nope", {}, "unknown dataset 'nope'; valid: digits"),
-    ("digits", {"size": 3}, r"dataset_kwargs \['size'\] are invalid"),
+    ("digits", {"size": 3}, "dataset 'digits' takes no 'size'; valid keys: "),
 ])
 def test_bad_dataset_is_rejected(name, kwargs, match):
   with pytest.raises(ValueError, match=match):

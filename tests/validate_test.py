@@ -108,7 +108,7 @@ BAD = [
      "optimizer_kwargs.learning_rate=0.0 is invalid; valid: a number > 0"),
     ({"optimizer_kwargs": ml_collections.ConfigDict(
         {"learning_rate": 1e-3, "beta1": 0.9})},
-     "optimizer_kwargs.beta1=0.9 is invalid: optax.adam takes no 'beta1'; "
+     "optimizer_kwargs.beta1=0.9 is invalid: optimizer 'adam' takes no 'beta1'; "
      "valid keys: learning_rate, b1, b2,"),
     ({"dataset": "mnist"}, "dataset='mnist' is invalid; valid: digits, "),
     ({"model": "gpt"}, "model='gpt' is invalid; valid: mlp, "),
@@ -149,10 +149,10 @@ def test_model_flags_and_nested_widths_pass():
 
 
 def test_accepted_keys_come_from_the_registered_factories():
-  assert validate.accepted_keys("schedule_kwargs", "hetpipe") == [
-      "concurrent_minibatches"]
-  assert validate.accepted_keys("sync_kwargs", "wsp") == [
-      "clock_distance", "delays", "server"]
+  assert validate.accepted_keys("schedule_kwargs", "hetpipe") == (
+      "concurrent_minibatches",)
+  assert validate.accepted_keys("sync_kwargs", "wsp") == (
+      "clock_distance", "concurrent_minibatches", "delays", "server")
   assert validate.accepted_keys("schedule_kwargs", "nope") is None
 
 

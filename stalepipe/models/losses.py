@@ -4,6 +4,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from stalepipe import registry
+
 
 def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
   """Softmax cross-entropy of logits [b, n] against labels [b], mean over b.
@@ -69,3 +71,23 @@ def mean_squared_error(y: jax.Array, target: jax.Array) -> jax.Array:
     raise ValueError(f"target shape {target.shape} is invalid; valid: the "
                      f"output shape {y.shape}")
   return jnp.mean((y - target) ** 2)
+
+
+PARTS = registry.Registry("loss", {
+    "cross_entropy": lambda: cross_entropy,
+    "lm_cross_entropy": lambda: lm_cross_entropy})
+
+
+def names() -> tuple[str, ...]:
+  """The losses a config may name."""
+  return PARTS.names()
+
+
+def make(name: str):
+  """The loss function registered under `name`.
+
+  Examples:
+    >>> make("cross_entropy") is cross_entropy
+    True
+  """
+  return PARTS.make(name)

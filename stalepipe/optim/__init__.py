@@ -8,6 +8,7 @@ basis rotation. Chain them with any optax optimizer; none of them knows
 about pipelines.
 """
 
+from stalepipe import registry
 from stalepipe.optim._adam_variance import scale_by_variance_reduced_adam
 from stalepipe.optim._adam_variance import ScaleByVarianceReducedAdamState
 from stalepipe.optim._basis_rotation import basis_rotation_adam
@@ -67,3 +68,33 @@ __all__ = (
     "WeightPrediction",
     "WeightPredictionState",
 )
+
+# What a config may name: transforms chain before the optimizer; a wrapper
+# takes the whole chain as its `optimizer`.
+TRANSFORMS = registry.Registry("transform", {
+    "stale_gradients": stale_gradients,
+    "delay_compensation": delay_compensation,
+    "scale_by_staleness": scale_by_staleness,
+    "scale_by_variance_reduced_adam": scale_by_variance_reduced_adam,
+    "scale_by_async_nesterov": scale_by_async_nesterov,
+    "scale_by_basis_rotation": scale_by_basis_rotation,
+    "basis_rotation_adam": basis_rotation_adam,
+    "wave_accumulation": wave_accumulation,
+})
+WRAPPERS = registry.Registry("optimizer wrapper", {
+    "WeightPrediction": WeightPrediction,
+    "SpecTrain": SpecTrain,
+    "PipeMare": PipeMare,
+    "stale_optimizer": stale_optimizer,
+}, filled=("optimizer",))
+
+
+def names() -> tuple[str, ...]:
+  """The transforms `make` builds."""
+  return TRANSFORMS.names()
+
+
+def make(name: str, **kwargs):
+  """The transform registered under `name`, e.g. `make("stale_gradients",
+  delay=1)`."""
+  return TRANSFORMS.make(name, **kwargs)

@@ -9,6 +9,7 @@ Examples:
 
 import dataclasses
 
+from stalepipe import registry
 from stalepipe.schedules import kinds
 from stalepipe.schedules.core import KINDS, Schedule, Task
 from stalepipe.schedules.gpipe import gpipe
@@ -26,7 +27,7 @@ from stalepipe.schedules.zero_bubble import zb_async
 from stalepipe.schedules.zero_bubble import zb_h1
 from stalepipe.schedules.zero_bubble import zb_h2
 
-_REGISTRY = {
+PARTS = registry.Registry("schedule", {
     "gpipe": gpipe,
     "1f1b": one_f_one_b,
     "pipedream": pipedream,
@@ -36,12 +37,12 @@ _REGISTRY = {
     "zb-h1": zb_h1,
     "zb-h2": zb_h2,
     "zb-async": zb_async,
-}
+}, filled=("num_stages", "num_microbatches", "num_minibatches"))
 
 
 def names() -> tuple[str, ...]:
   """The names `make` accepts."""
-  return tuple(_REGISTRY)
+  return PARTS.names()
 
 
 def make(name: str, *, num_stages: int, num_microbatches: int,
@@ -58,14 +59,13 @@ def make(name: str, *, num_stages: int, num_microbatches: int,
   Returns:
     The schedule.
   """
-  if name not in _REGISTRY:
-    raise ValueError(f"unknown schedule {name!r}; valid: {', '.join(names())}")
+  PARTS.factory(name)
   for arg, value in (("num_stages", num_stages),
                      ("num_microbatches", num_microbatches),
                      ("num_minibatches", num_minibatches)):
     if not isinstance(value, int) or value < 1:
       raise ValueError(f"{arg}={value!r} is invalid; it must be an integer >= 1")
-  schedule = _REGISTRY[name](num_stages=num_stages,
-                             num_microbatches=num_microbatches,
-                             num_minibatches=num_minibatches, **kwargs)
+  schedule = PARTS.make(name, num_stages=num_stages,
+                        num_microbatches=num_microbatches,
+                        num_minibatches=num_minibatches, **kwargs)
   return dataclasses.replace(schedule, options=dict(kwargs))

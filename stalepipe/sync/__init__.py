@@ -12,6 +12,7 @@ Examples:
   (4, 0)
 """
 
+from stalepipe import registry
 from stalepipe.sync.base import SyncPolicy, UpdateEvent, coordinate, group_mixing
 from stalepipe.sync.bsp import BSP, bsp
 from stalepipe.sync.gossip import ADPSGD, LocalSGD, ad_psgd, local_sgd
@@ -19,18 +20,17 @@ from stalepipe.sync.sdpipe import SDPipe, sdpipe
 from stalepipe.sync.staleness import ObservedStaleness, observed_staleness
 from stalepipe.sync.wsp import WSP, WSPState, wsp
 
-_REGISTRY = {"bsp": bsp, "wsp": wsp, "sdpipe": sdpipe, "ad_psgd": ad_psgd,
-             "local_sgd": local_sgd}
+PARTS = registry.Registry(
+    "sync policy", {"bsp": bsp, "wsp": wsp, "sdpipe": sdpipe,
+                    "ad_psgd": ad_psgd, "local_sgd": local_sgd},
+    filled=("num_replicas",))
 
 
 def names() -> tuple[str, ...]:
   """The names `make` accepts."""
-  return tuple(_REGISTRY)
+  return PARTS.names()
 
 
 def make(name: str, *, num_replicas: int, **kwargs) -> SyncPolicy:
   """The sync policy registered under `name`, over `num_replicas` replicas."""
-  if name not in _REGISTRY:
-    raise ValueError(f"unknown sync policy {name!r}; valid: "
-                     f"{', '.join(names())}")
-  return _REGISTRY[name](num_replicas, **kwargs)
+  return PARTS.make(name, num_replicas, **kwargs)

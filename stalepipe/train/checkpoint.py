@@ -127,6 +127,7 @@ class Checkpointer:
       raise ValueError(f"keep_checkpoints={keep} is invalid; valid: >= 1")
     self.directory = os.path.abspath(directory)
     self.skipped: list[str] = []  # "DIR/N (why)" per checkpoint skipped
+    self.restored_from: int | None = None  # the directory `restore` read
     self._manager = ocp.CheckpointManager(
         self.directory, item_names=("state", "position"),
         options=ocp.CheckpointManagerOptions(
@@ -134,7 +135,7 @@ class Checkpointer:
             todelete_subdir="deleted"))
 
   def latest_step(self) -> int | None:
-    """The newest finished checkpoint's window, or None."""
+    """The newest finished checkpoint's name (its step), or None."""
     return self._manager.latest_step()
 
   def save(self, step: int, state: Any, position: dict[str, Any],
@@ -195,6 +196,7 @@ class Checkpointer:
       except ValueError as e:
         self._skip(step, str(e))
         continue
+      self.restored_from = step
       return state, position
     if self.skipped:
       raise ValueError(f"no checkpoint in {self.directory} verifies: "

@@ -16,15 +16,11 @@ So the window index is the whole data position: a resumed run reads exactly
 the rows the uninterrupted one would.
 """
 
-import inspect
 from typing import NamedTuple, Sequence
 
 import numpy as np
 
 from stalepipe import data as data_lib
-
-DATASETS = {"digits": data_lib.digits, "synthetic": data_lib.synthetic,
-            "cifar10": data_lib.cifar10, "chars": data_lib.chars}
 
 
 def load(name: str, kwargs: dict, replica: int, num_replicas: int,
@@ -32,7 +28,7 @@ def load(name: str, kwargs: dict, replica: int, num_replicas: int,
   """Replica `replica`'s training shard (and the whole test set) of `name`.
 
   Args:
-    name: a key of `DATASETS`.
+    name: one of `stalepipe.data.names()`.
     kwargs: the loader's keyword arguments (e.g. `data_dir` for cifar10).
     replica: the data replica, `0 <= replica < num_replicas`.
     num_replicas: `D`, data replicas in the whole run.
@@ -46,15 +42,8 @@ def load(name: str, kwargs: dict, replica: int, num_replicas: int,
     >>> ds.x_train.shape[1:], len(ds.x_train) in (718, 719)
     ((8, 8, 1), True)
   """
-  if name not in DATASETS:
-    raise ValueError(f"unknown dataset {name!r}; valid: {', '.join(DATASETS)}")
-  loader = DATASETS[name]
-  unknown = set(kwargs) - set(inspect.signature(loader).parameters)
-  if unknown:
-    raise ValueError(f"dataset_kwargs {sorted(unknown)} are invalid for "
-                     f"{name!r}; valid: "
-                     f"{', '.join(inspect.signature(loader).parameters)}")
-  ds = loader(**kwargs, process_index=replica, process_count=num_replicas)
+  ds = data_lib.make(name, **kwargs, process_index=replica,
+                     process_count=num_replicas)
   if input_shape:
     shape = tuple(input_shape)
     if int(np.prod(shape)) != int(np.prod(ds.x_train.shape[1:])):

@@ -53,7 +53,7 @@ class Writer:
       with open(path) as f:
         self.records = [r for r in map(json.loads, filter(str.strip, f))
                         if r["step"] < resume_step or
-                        (r["step"] == resume_step and "loss" in r)]
+                        (r["step"] == resume_step and "test_loss" not in r)]
     self._jsonl = open(path, "w")
     for record in self.records:
       self._jsonl.write(json.dumps(record) + "\n")
@@ -113,16 +113,17 @@ class Progress:
     """Starts the clock (after compilation) at step `done`."""
     self._first, self._start = done, time.time()
 
-  def figures(self, done: int, loss: float) -> str:
-    """'loss 0.1234  123.4 steps/s  ETA 0:00:05' at step `done`."""
-    text = f"loss {loss:.4f}"
+  def figures(self, done: int, loss: float | None) -> str:
+    """'loss 0.1234  123.4 steps/s  ETA 0:00:05' at step `done` ('loss -'
+    where no minibatch finished yet)."""
+    text = "loss -" if loss is None else f"loss {loss:.4f}"
     if self._start is not None and done > self._first:
       rate = (done - self._first) / max(time.time() - self._start, 1e-9)
       eta = datetime.timedelta(seconds=round((self.total - done) / rate))
       text += f"  {rate:.1f} steps/s  ETA {eta}"
     return text
 
-  def show(self, done: int, loss: float) -> None:
+  def show(self, done: int, loss: float | None) -> None:
     """Moves the bar to step `done` with the latest training loss."""
     if not self.enabled:
       return

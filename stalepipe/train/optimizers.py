@@ -24,13 +24,13 @@ gives, in this order,
               optax.add_decayed_weights(1e-4),     # "l2": SGD's weight_decay
               optax.sgd(schedule, momentum=0.9))   # "decoupled" adds -lr_t wd x after it
 
-Registries are built from public names, never a hand list: `TRANSFORMS` are
-the factories of `stalepipe.optim.__all__` that return an optax transform,
-`WRAPPERS` its classes and factories whose first parameter is `optimizer`
-(the chained optimizer is passed there: `WeightPrediction(chain, option=3)`),
-`SCHEDULES` the schedules of `optax.schedules`, and `optimizer` any optax
-alias. A transform or wrapper that takes `num_workers` gets `num_replicas`
-unless the config sets it.
+Each name is looked up in one registry (`stalepipe.registry.Registry`):
+transforms in `stalepipe.optim.TRANSFORMS`, wrappers in
+`stalepipe.optim.WRAPPERS` (the chained optimizer is passed as their
+`optimizer`: `WeightPrediction(chain, option=3)`), learning-rate schedules in
+`SCHEDULES` (those of `optax.schedules`) and optimizers in `OPTIMIZERS`
+(optax's factories that take a learning rate). A transform or wrapper that
+takes `num_workers` gets `num_replicas` unless the config sets it.
 """
 
 import inspect
@@ -42,54 +42,45 @@ import jax.numpy as jnp
 import optax
 
 from stalepipe import optim
+from stalepipe import registry
 
 WEIGHT_DECAY_MODES = ("l2", "decoupled")
 
 
-def _first_parameter(obj: Any) -> str | None:
-  try:
-    params = list(inspect.signature(obj).parameters)
-  except (TypeError, ValueError):
-    return None
-  return params[0] if params else None
+def _optax_optimizers() -> dict[str, Callable[..., Any]]:
+  """optax's optimizers: its public factories that take a learning rate."""
+  found = {}
+  for name in dir(optax):
+    factory = getattr(optax, name)
+    if name.startswith(("_", "scale_by")) or not inspect.isfunction(factory):
+      continue
+    try:
+      if "learning_rate" in inspect.signature(factory).parameters:
+        found[name] = factory
+    except (TypeError, ValueError):
+      continue
+  return dict(sorted(found.items()))
 
 
-def _returns_transform(fn: Any) -> bool:
-  annotation = inspect.signature(fn).return_annotation
-  return inspect.isclass(annotation) and issubclass(
-      annotation, optax.GradientTransformation)
+OPTIMIZERS = registry.Registry("optimizer", _optax_optimizers())
+SCHEDULES = registry.Registry("schedule", {
+    name: obj for name, obj in vars(optax.schedules).items()
+    if not name.startswith("_") and inspect.isfunction(obj)
+    and inspect.signature(obj).return_annotation == optax.Schedule})
 
 
-def _public(module: Any) -> dict[str, Any]:
-  return {name: getattr(module, name) for name in module.__all__}
-
-
-WRAPPERS = {name: obj for name, obj in _public(optim).items()
-            if callable(obj) and _first_parameter(obj) == "optimizer"}
-TRANSFORMS = {name: obj for name, obj in _public(optim).items()
-              if inspect.isfunction(obj) and name not in WRAPPERS
-              and _returns_transform(obj)}
-SCHEDULES = {name: obj for name, obj in vars(optax.schedules).items()
-             if not name.startswith("_") and inspect.isfunction(obj)
-             and inspect.signature(obj).return_annotation == optax.Schedule}
-
-
-def _entry(entry: Any, what: str, registry: dict[str, Any]
-           ) -> tuple[Callable[..., Any], dict[str, Any]]:
-  """A `(name, kwargs)` pair checked against `registry`."""
+def _entry(entry: Any, what: str) -> tuple[str, dict[str, Any]]:
+  """A `(name, kwargs)` pair."""
   if isinstance(entry, str) or len(entry) != 2:
     raise ValueError(f"{what} {entry!r} is invalid; valid: a (name, kwargs) "
                      "pair")
   name, kwargs = entry
-  if name not in registry:
-    raise ValueError(f"unknown {what} {name!r}; valid: "
-                     f"{', '.join(sorted(registry))}")
-  return registry[name], dict(kwargs)
+  return name, dict(kwargs)
 
 
-def _with_workers(factory: Any, kwargs: dict[str, Any],
-                  num_replicas: int) -> dict[str, Any]:
-  if "num_workers" in inspect.signature(factory).parameters:
+def _with_workers(registry_: registry.Registry, name: str,
+                  kwargs: dict[str, Any], num_replicas: int) -> dict[str, Any]:
+  if "num_workers" in registry_.keys(name):
     kwargs.setdefault("num_workers", num_replicas)
   return kwargs
 
@@ -104,12 +95,12 @@ def make_schedule(entry: tuple[str, dict[str, Any]]) -> optax.Schedule:
     >>> [round(float(sched(t)), 4) for t in (0, 99, 100)]  # step decay
     [0.1, 0.1, 0.01]
   """
-  factory, kwargs = _entry(entry, "schedule", SCHEDULES)
+  name, kwargs = _entry(entry, "schedule")
   # Config dicts key by strings; step decay's boundaries are steps.
   if "boundaries_and_scales" in kwargs:
     kwargs["boundaries_and_scales"] = {
         int(k): v for k, v in dict(kwargs["boundaries_and_scales"]).items()}
-  return factory(**kwargs)
+  return SCHEDULES.make(name, **kwargs)
 
 
 class DecoupledWeightDecayState(NamedTuple):
@@ -174,7 +165,7 @@ def make(
   """Chains the named `stalepipe.optim` transforms before `optax.<optimizer>`.
 
   Args:
-    transforms: `(name, kwargs)` pairs, names from `TRANSFORMS`.
+    transforms: `(name, kwargs)` pairs, names from `optim.TRANSFORMS`.
     optimizer: an optax alias such as `sgd`, `adam`, `adamw`.
     optimizer_kwargs: its keyword arguments.
     num_replicas: the data replicas; the default `num_workers` of transforms
@@ -187,7 +178,7 @@ def make(
       `"decoupled"` adds :math:`-\\eta_t \\lambda x` to its update (AdamW).
     grad_clip_norm: clip the gradient the optimizer gets (after the
       stalepipe transforms) to this global norm; 0 does not clip.
-    wrapper: `(name, kwargs)` of a wrapper from `WRAPPERS`, given the whole
+    wrapper: `(name, kwargs)` of a wrapper from `optim.WRAPPERS`, given the whole
       chain as its `optimizer`; `()` for none.
 
   Returns:
@@ -205,10 +196,7 @@ def make(
     >>> [round(float(v), 4) for v in (u0[0], u1[0])]
     [-0.0, -0.1]
   """
-  factory = getattr(optax, optimizer, None)
-  if factory is None or not callable(factory) or optimizer.startswith("_"):
-    raise ValueError(f"unknown optimizer {optimizer!r}; valid: an optax alias "
-                     "such as sgd, adam, adamw")
+  OPTIMIZERS.factory(optimizer)
   if weight_decay_mode not in WEIGHT_DECAY_MODES:
     raise ValueError(f"weight_decay_mode={weight_decay_mode!r} is invalid; "
                      f"valid: {WEIGHT_DECAY_MODES}")
@@ -220,13 +208,14 @@ def make(
     optimizer_kwargs["learning_rate"] = make_schedule(lr_schedule)
   chain = []
   for entry in transforms:
-    transform, kwargs = _entry(entry, "transform", TRANSFORMS)
-    chain.append(transform(**_with_workers(transform, kwargs, num_replicas)))
+    name, kwargs = _entry(entry, "transform")
+    chain.append(optim.TRANSFORMS.make(
+        name, **_with_workers(optim.TRANSFORMS, name, kwargs, num_replicas)))
   if grad_clip_norm:
     chain.append(optax.clip_by_global_norm(grad_clip_norm))
   if weight_decay and weight_decay_mode == "l2":
     chain.append(optax.add_decayed_weights(weight_decay))
-  chain.append(factory(**optimizer_kwargs))
+  chain.append(OPTIMIZERS.make(optimizer, **optimizer_kwargs))
   if weight_decay and weight_decay_mode == "decoupled":
     if "learning_rate" not in optimizer_kwargs:
       raise ValueError(f"weight_decay_mode='decoupled' with optimizer_kwargs "
@@ -237,8 +226,9 @@ def make(
   tx = optax.chain(*chain) if len(chain) > 1 else chain[0]
   if not wrapper:
     return tx
-  wrap, kwargs = _entry(wrapper, "optimizer wrapper", WRAPPERS)
-  return wrap(tx, **_with_workers(wrap, kwargs, num_replicas))
+  name, kwargs = _entry(wrapper, "optimizer wrapper")
+  return optim.WRAPPERS.make(
+      name, tx, **_with_workers(optim.WRAPPERS, name, kwargs, num_replicas))
 
 
 def from_config(config: Any, num_replicas: int) -> Any:

@@ -20,7 +20,8 @@ import time
 from typing import Callable
 
 import jax
-from jax._src import distributed  # the runtime's client: its key-value store
+
+from stalepipe.train import jax_private
 
 _PREFIX = "stalepipe/peers"
 _stop = threading.Event()
@@ -28,7 +29,7 @@ _threads: list[threading.Thread] = []
 
 
 def _client():
-  return distributed.global_state.client
+  return jax_private.distributed_client()
 
 
 def watch(heartbeat_timeout: float, on_lost: Callable[[str], None],

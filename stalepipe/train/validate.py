@@ -1,10 +1,12 @@
-"""Checks a whole run config before anything is created or compiled.
+"""The value ranges of a run config and the checks that span its fields.
 
 `check(config)` raises `ValueError` with one line naming the key, the value
 and what is valid. Which keyword arguments a schedule, sync policy, update
-rule, optimizer, model or dataset accepts is read from its registered
-factory's signature, so each registry stays the one declaration of its
-options; the value ranges are declared here, in one place.
+rule, optimizer, model or dataset accepts is read from its plane's registry
+(`stalepipe.registry.Registry`), the one declaration of its options; the
+value ranges are declared here, in one place. It is the first half of
+checking a config; `stalepipe.train.build.parts` is the second: it builds
+every part, so what the check accepts builds.
 
 Examples:
   >>> import sys; sys.path.insert(0, ".")
@@ -18,18 +20,17 @@ Examples:
   ValueError: optimizer_kwargs.learning_rate=-1.0 is invalid; valid: a number > 0
 """
 
-import inspect
 import math
 import os
-from typing import Any, Callable
+from typing import Any
 
-import optax
-
+from stalepipe import data as data_lib
 from stalepipe import models
 from stalepipe import optim
+from stalepipe import registry
 from stalepipe import schedules
 from stalepipe import sync as sync_lib
-from stalepipe.train import input_pipeline
+from stalepipe.models import losses
 from stalepipe.pipeline import residuals as residuals_lib
 from stalepipe.pipeline import scope as scope_lib
 from stalepipe.train import optimizers
@@ -87,17 +88,6 @@ def _if_number(rule):
 OPTIMIZER_KWARGS = {k: _if_number(r) for k, r in {
     "learning_rate": _POSITIVE, "momentum": _FRACTION, "b1": _FRACTION,
     "b2": _FRACTION, "eps": _POSITIVE, "weight_decay": _NON_NEGATIVE}.items()}
-# Arguments the trainer fills in itself, so a config may leave them out.
-_FILLED_IN = {
-    "model": {"in_features", "num_classes", "vocab_size", "max_len",
-              "in_channels", "image_size", "seed"},
-    "schedule": {"num_stages", "num_microbatches", "num_minibatches"},
-    "sync": {"num_replicas", "concurrent_minibatches"},
-    "transform": {"num_workers"},
-    "dataset": {"process_index", "process_count"},
-}
-
-
 def _is_int(v: Any) -> bool:
   return isinstance(v, int) and not isinstance(v, bool)
 
@@ -117,81 +107,46 @@ def _check_range(key: str, value: Any, rule) -> None:
     _fail(key, value, valid)
 
 
-def _check_kwargs(prefix: str, owner: str, factory: Callable,
-                  kwargs: dict[str, Any], ranges: dict[str, Any],
-                  filled: set[str]) -> None:
-  """Keys against `factory`'s signature, required ones present, ranges."""
-  params = inspect.signature(factory).parameters
-  accepted = [p for p in params if p not in filled
-              and params[p].kind not in (inspect.Parameter.VAR_POSITIONAL,
-                                         inspect.Parameter.VAR_KEYWORD)]
-  takes_any = any(p.kind == inspect.Parameter.VAR_KEYWORD
-                  for p in params.values())
+def _check_kwargs(prefix: str, parts: registry.Registry, name: str,
+                  kwargs: dict[str, Any], ranges: dict[str, Any]) -> None:
+  """Keys against the registered factory's, required ones present, ranges."""
+  owner = f"{parts.plane} {name!r}"
+  accepted = parts.keys(name)
   for key, value in kwargs.items():
-    if key not in params and not takes_any:
+    if key not in accepted and not parts.takes_any(name):
       raise ValueError(f"{prefix}.{key}={value!r} is invalid: {owner} takes "
                        f"no {key!r}; valid keys: "
                        f"{', '.join(accepted) or 'none'}")
     if key in ranges:
       _check_range(f"{prefix}.{key}", value, ranges[key])
-  for name in accepted:
-    if (params[name].default is inspect.Parameter.empty
-        and name not in kwargs):
-      valid = ranges[name][1] if name in ranges else "a value"
-      raise ValueError(f"{prefix}.{name} is missing: {owner} needs it; "
+  for key in parts.required(name):
+    if key not in kwargs and key not in _FILLED_BY_THE_RUN.get(parts.plane,
+                                                               ()):
+      valid = ranges[key][1] if key in ranges else "a value"
+      raise ValueError(f"{prefix}.{key} is missing: {owner} needs it; "
                        f"valid: {valid}")
 
 
-def optimizer_names() -> list[str]:
-  """optax's optimizers: its public factories that take a learning rate."""
-  names = []
-  for name in dir(optax):
-    factory = getattr(optax, name)
-    if (name.startswith(("_", "scale_by"))
-        or not inspect.isfunction(factory)):
-      continue
-    try:
-      if "learning_rate" in inspect.signature(factory).parameters:
-        names.append(name)
-    except (TypeError, ValueError):
-      continue
-  return sorted(names)
+# Keys the run fills in where a config leaves them out (`build.parts`,
+# `optimizers.make`): WSP's wave is the schedule's concurrent minibatches,
+# and a rule's workers are the data replicas.
+_FILLED_BY_THE_RUN = {"sync policy": ("concurrent_minibatches",),
+                      "transform": ("num_workers",),
+                      "optimizer wrapper": ("num_workers",)}
+_FIELDS = {"schedule_kwargs": schedules.PARTS, "sync_kwargs": sync_lib.PARTS,
+           "model_kwargs": models.PARTS, "dataset_kwargs": data_lib.PARTS,
+           "optimizer_kwargs": optimizers.OPTIMIZERS}
 
 
-def transform_names() -> list[str]:
-  """stalepipe.optim's transform factories (lowercase public functions)."""
-  return sorted(n for n in optim.__all__ if n.islower()
-                and inspect.isfunction(getattr(optim, n))
-                and n not in ("compensate", "minimal_stale_prefix",
-                              "spectrain_prediction", "wave_complete"))
-
-
-def _factories(field: str) -> tuple[dict[str, Callable], str]:
-  """The registry a `<part>_kwargs` field's keys are read from, and `part`."""
-  part = field[:-len("_kwargs")]
-  registry = {
-      "schedule": schedules._REGISTRY,  # pylint: disable=protected-access
-      "sync": sync_lib._REGISTRY,  # pylint: disable=protected-access
-      "model": models._REGISTRY,  # pylint: disable=protected-access
-      "dataset": input_pipeline.DATASETS,
-  }.get(part)
-  if part == "optimizer":
-    registry = {n: getattr(optax, n) for n in optimizer_names()}
-  return registry or {}, part
-
-
-def accepted_keys(field: str, name: str) -> list[str] | None:
+def accepted_keys(field: str, name: str) -> tuple[str, ...] | None:
   """The keys `field` (e.g. "schedule_kwargs") takes for the part `name`.
 
   None where `field` is not such a field or `name` is not registered.
   """
-  registry, part = _factories(field)
-  if name not in registry:
+  parts = _FIELDS.get(field)
+  if parts is None or name not in parts.names():
     return None
-  params = inspect.signature(registry[name]).parameters
-  return [p for p in params if p not in _FILLED_IN.get(part, ())
-          and params[p].kind not in (inspect.Parameter.VAR_POSITIONAL,
-                                     inspect.Parameter.VAR_KEYWORD)]
+  return parts.keys(name)
 
 
 def _check_top_level(config) -> None:
@@ -213,15 +168,13 @@ def _check_top_level(config) -> None:
 
 
 def _check_data(config) -> None:
-  if config.dataset not in input_pipeline.DATASETS:
-    _fail("dataset", config.dataset, ", ".join(input_pipeline.DATASETS))
+  if config.dataset not in data_lib.names():
+    _fail("dataset", config.dataset, ", ".join(data_lib.names()))
   kwargs = dict(config.dataset_kwargs)
-  _check_kwargs("dataset_kwargs", f"dataset {config.dataset!r}",
-                input_pipeline.DATASETS[config.dataset], kwargs,
+  _check_kwargs("dataset_kwargs", data_lib.PARTS, config.dataset, kwargs,
                 {"seed": _NATURAL_INT, "num_train": _POSITIVE_INT,
                  "num_test": _POSITIVE_INT, "in_features": _POSITIVE_INT,
-                 "num_classes": _POSITIVE_INT, "seq_len": _POSITIVE_INT},
-                _FILLED_IN["dataset"])
+                 "num_classes": _POSITIVE_INT, "seq_len": _POSITIVE_INT})
   if "data_dir" in kwargs:
     path = os.path.expanduser(str(kwargs["data_dir"]))
     if not os.path.isdir(path):
@@ -238,37 +191,31 @@ def _positive_ints(value: Any) -> bool:
 
 
 def _check_model(config) -> None:
-  from stalepipe.train import trainer  # pylint: disable=g-import-not-at-top
   if config.model not in models.names():
     _fail("model", config.model, ", ".join(models.names()))
   kwargs = dict(config.model_kwargs)
-  _check_kwargs("model_kwargs", f"model {config.model!r}",
-                models._REGISTRY[config.model],  # pylint: disable=protected-access
-                kwargs, {}, _FILLED_IN["model"])
+  _check_kwargs("model_kwargs", models.PARTS, config.model, kwargs, {})
   for key, value in kwargs.items():
     if not _positive_ints(value):
       _fail(f"model_kwargs.{key}", value,
             "positive integers (widths, depths and counts are >= 1)")
-  if config.loss not in trainer.LOSSES:
-    _fail("loss", config.loss, ", ".join(trainer.LOSSES))
+  if config.loss not in losses.names():
+    _fail("loss", config.loss, ", ".join(losses.names()))
 
 
 def _check_schedule_and_sync(config) -> None:
   if config.schedule not in schedules.names():
     _fail("schedule", config.schedule, ", ".join(schedules.names()))
-  _check_kwargs("schedule_kwargs", f"schedule {config.schedule!r}",
-                schedules._REGISTRY[config.schedule],  # pylint: disable=protected-access
-                dict(config.schedule_kwargs), SCHEDULE_KWARGS,
-                _FILLED_IN["schedule"])
+  _check_kwargs("schedule_kwargs", schedules.PARTS, config.schedule,
+                dict(config.schedule_kwargs), SCHEDULE_KWARGS)
   if config.sync not in sync_lib.names():
     _fail("sync", config.sync, ", ".join(sync_lib.names()))
-  _check_kwargs("sync_kwargs", f"sync policy {config.sync!r}",
-                sync_lib._REGISTRY[config.sync],  # pylint: disable=protected-access
-                dict(config.sync_kwargs), SYNC_KWARGS, _FILLED_IN["sync"])
+  _check_kwargs("sync_kwargs", sync_lib.PARTS, config.sync,
+                dict(config.sync_kwargs), SYNC_KWARGS)
 
 
 def _check_update_rule(config) -> None:
-  valid = transform_names()
+  valid = optim.names()
   for i, entry in enumerate(config.transforms):
     key = f"transforms[{i}]"
     if not isinstance(entry, (tuple, list)) or len(entry) != 2:
@@ -276,32 +223,28 @@ def _check_update_rule(config) -> None:
     name, kwargs = entry
     if name not in valid:
       _fail(f"{key} name", name, ", ".join(valid))
-    _check_kwargs(f"{key} {name}", f"transform {name!r}",
-                  getattr(optim, name), dict(kwargs), TRANSFORM_KWARGS,
-                  _FILLED_IN["transform"])
-  names = optimizer_names()
+    _check_kwargs(f"{key} {name}", optim.TRANSFORMS, name, dict(kwargs),
+                  TRANSFORM_KWARGS)
+  names = optimizers.OPTIMIZERS.names()
   if config.optimizer not in names:
     _fail("optimizer", config.optimizer,
           f"an optax optimizer: {', '.join(names)}")
-  _check_kwargs("optimizer_kwargs", f"optax.{config.optimizer}",
-                getattr(optax, config.optimizer),
-                dict(config.optimizer_kwargs),
-                OPTIMIZER_KWARGS, set())
+  _check_kwargs("optimizer_kwargs", optimizers.OPTIMIZERS, config.optimizer,
+                dict(config.optimizer_kwargs), OPTIMIZER_KWARGS)
   _check_optimizer_parts(config)
 
 
-def _named_part(key: str, entry: Any, registry: dict[str, Callable],
-                what: str, ranges: dict[str, Any], filled: set[str]) -> None:
+def _named_part(key: str, entry: Any, parts: registry.Registry,
+                ranges: dict[str, Any]) -> None:
   """An optional `(name, kwargs)` entry against its registry (empty: none)."""
   if not entry:
     return
   if not isinstance(entry, (tuple, list)) or len(entry) != 2:
     _fail(key, entry, "() or a (name, kwargs) pair")
   name, kwargs = entry
-  if name not in registry:
-    _fail(f"{key} name", name, ", ".join(sorted(registry)))
-  _check_kwargs(f"{key} {name}", f"{what} {name!r}", registry[name],
-                dict(kwargs), ranges, filled)
+  if name not in parts.names():
+    _fail(f"{key} name", name, ", ".join(sorted(parts.names())))
+  _check_kwargs(f"{key} {name}", parts, name, dict(kwargs), ranges)
 
 
 def _check_remat(config) -> None:
@@ -319,8 +262,8 @@ def _check_optimizer_scope(config) -> None:
 
 
 def _check_optimizer_parts(config) -> None:
-  """Learning-rate schedule, weight decay, clipping and wrapper (issue 14's
-  fields), when the config has them."""
+  """Learning-rate schedule, weight decay, clipping and wrapper, when the
+  config has them."""
   if "weight_decay" in config:
     _check_range("weight_decay", config.weight_decay, _NON_NEGATIVE)
     _check_range("weight_decay_mode", config.weight_decay_mode,
@@ -329,12 +272,10 @@ def _check_optimizer_parts(config) -> None:
   if "grad_clip_norm" in config:
     _check_range("grad_clip_norm", config.grad_clip_norm, _NON_NEGATIVE)
   if "lr_schedule" in config:
-    _named_part("lr_schedule", config.lr_schedule, optimizers.SCHEDULES,
-                "schedule", {}, set())
+    _named_part("lr_schedule", config.lr_schedule, optimizers.SCHEDULES, {})
   if "optimizer_wrapper" in config:
-    _named_part("optimizer_wrapper", config.optimizer_wrapper,
-                optimizers.WRAPPERS, "wrapper", TRANSFORM_KWARGS,
-                {"optimizer"} | _FILLED_IN["transform"])
+    _named_part("optimizer_wrapper", config.optimizer_wrapper, optim.WRAPPERS,
+                TRANSFORM_KWARGS)
 
 
 def check(config) -> None:

@@ -1,0 +1,138 @@
+"""A config's parts, each built by name: checking a config is building it.
+
+`parts(config)` runs `validate.check` (the value ranges and the checks that
+span fields), then builds every part the config names through its plane's
+`make`: the data shards this process reads, the model's blocks and stages,
+the loss, the schedule, the sync policy, the update rule, the mesh and the
+`Pipeline`. Nothing is compiled and no step runs; whatever a part's factory
+refuses is refused here, in one line, before a run writes anything. The
+trainer runs the `Parts` it is given, so what the check accepts is what runs.
+
+Examples:
+  >>> import sys; sys.path.insert(0, ".")
+  >>> from configs import default
+  >>> run = parts(default.get_config())
+  >>> run.schedule.name, len(run.staged.stage_fns), run.window_shape
+  ('gpipe', 4, (4, 4, 2, 8))
+"""
+
+from typing import Any, Callable, NamedTuple, Sequence
+
+import jax
+import ml_collections
+import numpy as np
+
+from stalepipe import models
+from stalepipe import schedules
+from stalepipe import sync as sync_lib
+from stalepipe.models import losses
+from stalepipe.pipeline import executor
+from stalepipe.schedules import Schedule
+from stalepipe.train import input_pipeline
+from stalepipe.train import optimizers
+from stalepipe.train import validate
+
+
+class Parts(NamedTuple):
+  """Everything a run needs, built from its config."""
+
+  config: ml_collections.ConfigDict
+  mesh: jax.sharding.Mesh
+  shards: Sequence[input_pipeline.Shard]  # this process's data replicas
+  test: tuple[np.ndarray, np.ndarray]  # (x_test, y_test)
+  staged: models.Staged
+  loss_fn: Callable[..., Any]
+  schedule: Schedule
+  pipeline: executor.Pipeline
+
+  @property
+  def steps_per_window(self) -> int:
+    """B: minibatches (steps) in one jitted pipeline step."""
+    return self.config.minibatches_per_window
+
+  @property
+  def window_shape(self) -> tuple[int, ...]:
+    """[B, M, D, b]: the leading dimensions of a window's inputs."""
+    c = self.config
+    return (c.minibatches_per_window, c.num_microbatches, c.num_replicas,
+            c.microbatch_size)
+
+  def batch(self, window: int) -> tuple[np.ndarray, np.ndarray]:
+    """Window `window`'s (inputs, targets), rows [B, M, D, b, ...]."""
+    c = self.config
+    return input_pipeline.window_batch(
+        self.shards, window, c.minibatches_per_window, c.num_microbatches,
+        c.microbatch_size, c.seed)
+
+
+def make_mesh(num_replicas: int, num_stages: int) -> jax.sharding.Mesh:
+  """A ('data', 'stage') mesh over the first D * S devices of all processes."""
+  devices = jax.devices()
+  need = num_replicas * num_stages
+  if need > len(devices):
+    raise ValueError(
+        f"mesh num_replicas x num_stages = {num_replicas} x {num_stages} = "
+        f"{need} devices does not fit the {len(devices)} "
+        f"{devices[0].platform.upper()} devices here; valid: at most "
+        f"{len(devices)}")
+  if jax.process_count() > 1 and need != len(devices):
+    raise ValueError(
+        f"mesh num_replicas x num_stages = {need} devices leaves some of the "
+        f"{jax.process_count()} processes without a device; valid: exactly "
+        f"{len(devices)} (all devices of all processes)")
+  return jax.make_mesh((num_replicas, num_stages),
+                       (executor.DATA, executor.STAGE), devices=devices[:need])
+
+
+def _shards(config, mesh) -> tuple[list[input_pipeline.Shard], Any]:
+  """The data replicas whose devices this process holds, and one dataset."""
+  D = config.num_replicas
+  local = [r for r in range(D) if any(
+      d.process_index == jax.process_index() for d in mesh.devices[r])]
+  shards, ds = [], None
+  for r in local:
+    ds = input_pipeline.load(config.dataset, dict(config.dataset_kwargs), r, D,
+                             config.input_shape)
+    shards.append(input_pipeline.Shard(r, ds.x_train, ds.y_train))
+  return shards, ds
+
+
+def _sync(config, schedule: Schedule) -> sync_lib.SyncPolicy:
+  kwargs = dict(config.sync_kwargs)
+  if config.sync == "wsp":  # a wave is the schedule's N_m minibatches
+    kwargs.setdefault("concurrent_minibatches",
+                      schedule.options.get("concurrent_minibatches", 1))
+  return sync_lib.make(config.sync, num_replicas=config.num_replicas, **kwargs)
+
+
+def parts(config: ml_collections.ConfigDict) -> Parts:
+  """Checks `config` by building every part it names; one line if one fails.
+
+  Raises:
+    ValueError: naming the field, the value and what is valid.
+  """
+  validate.check(config)
+  D, S = config.num_replicas, config.num_stages
+  mesh = make_mesh(D, S)
+  shards, ds = _shards(config, mesh)
+  blocks = models.make(config.model, seed=config.seed, **config.model_kwargs,
+                       **models.data_kwargs(config.model, ds.x_test[0],
+                                            ds.num_classes))
+  staged = models.split(blocks, tuple(config.stage_boundaries) or S)
+  if len(staged.stage_fns) != S:
+    raise ValueError(f"stage_boundaries {config.stage_boundaries} give "
+                     f"{len(staged.stage_fns)} stages; valid: "
+                     f"num_stages={S} boundaries")
+  schedule = schedules.make(
+      config.schedule, num_stages=S, num_microbatches=config.num_microbatches,
+      num_minibatches=config.minibatches_per_window, **config.schedule_kwargs)
+  loss_fn = losses.make(config.loss)
+  pipeline = executor.Pipeline(
+      staged.stage_fns, loss_fn, schedule,
+      optimizers.from_config(config, num_replicas=D), mesh,
+      sync=_sync(config, schedule), remat=config.get("remat", "recompute"),
+      optimizer_scope=config.get("optimizer_scope", "auto"))
+  run = Parts(config, mesh, shards, (ds.x_test, ds.y_test), staged, loss_fn,
+              schedule, pipeline)
+  run.batch(0)  # a window that does not fit the data fails here
+  return run
