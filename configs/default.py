@@ -104,6 +104,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.checkpoint_every = 200
   config.keep_checkpoints = 2
   config.plots = True
+  # More hooks run every N steps (stalepipe.train.loop): ("module:factory",
+  # kwargs) pairs, each called as factory(parts, workdir, **kwargs), e.g.
+  # (("experiments.hooks:StageNorms", {"every": 100}),).
+  config.hooks = ()
 
   for key, value in VARIANTS[arg.variant].items():
     config[key] = (ml_collections.ConfigDict(value) if isinstance(value, dict)

@@ -135,6 +135,15 @@ def _kill_one_mid_run(tmp_path, victim: int, heartbeat_timeout: int):
     assert survivor.poll() is None, survivor.communicate()[1][-2000:]
     time.sleep(0.1)
   workers = _workers(procs[victim].pid)
+  if victim == 1:  # the run holds its workdir once, on process 0
+    other = subprocess.run(
+        [sys.executable, "launch.py", *FLAGS, f"--workdir={workdir}"],
+        cwd=ROOT, env=_env(8), capture_output=True, text=True, timeout=300)
+    holder = _workers(procs[0].pid)[0]
+    assert other.stderr.strip().splitlines() == [
+        f"launch.py: error: --workdir={workdir} is in use by PID {holder} on "
+        f"host {socket.gethostname()}; valid: wait for that run to end, or a "
+        "new --workdir"], other.stderr[-2000:]
   procs[victim].kill()
   procs[victim].communicate()
   start = time.time()

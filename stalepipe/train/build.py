@@ -16,6 +16,8 @@ Examples:
   ('gpipe', 4, (4, 4, 2, 8))
 """
 
+import importlib
+import inspect
 from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
@@ -44,6 +46,9 @@ class Parts(NamedTuple):
   loss_fn: Callable[..., Any]
   schedule: Schedule
   pipeline: executor.Pipeline
+  # `(factory, kwargs)` of the config's own hooks (`config.hooks`); the
+  # trainer calls `factory(parts, workdir, **kwargs)` for each.
+  hooks: Sequence[tuple[Callable[..., Any], dict[str, Any]]] = ()
 
   @property
   def steps_per_window(self) -> int:
@@ -105,6 +110,36 @@ def _sync(config, schedule: Schedule) -> sync_lib.SyncPolicy:
   return sync_lib.make(config.sync, num_replicas=config.num_replicas, **kwargs)
 
 
+def _hook_factories(config) -> list[tuple[Callable[..., Any], dict[str, Any]]]:
+  """`config.hooks`: `("module:factory", kwargs)` pairs, imported and checked.
+
+  A factory is called as `factory(parts, workdir, **kwargs)` and returns a
+  hook (`stalepipe.train.loop`), e.g. `("experiments.hooks:StageNorms",
+  {"every": 100})`.
+  """
+  found = []
+  for i, entry in enumerate(config.get("hooks", ())):
+    if not isinstance(entry, (tuple, list)) or len(entry) != 2:
+      raise ValueError(f"hooks[{i}]={entry!r} is invalid; valid: a "
+                       "('module:factory', kwargs) pair")
+    where, kwargs = entry[0], dict(entry[1])
+    module, _, attr = str(where).partition(":")
+    try:
+      factory = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError, ValueError) as e:
+      raise ValueError(f"hooks[{i}] {where!r} is invalid: {e}; valid: "
+                       "'package.module:factory', importable from the "
+                       "working directory") from None
+    try:
+      inspect.signature(factory).bind(None, None, **kwargs)
+    except TypeError as e:
+      raise ValueError(f"hooks[{i}] {where} kwargs {kwargs} are invalid: "
+                       f"{e}; valid: factory(parts, workdir, **kwargs)"
+                       ) from None
+    found.append((factory, kwargs))
+  return found
+
+
 def parts(config: ml_collections.ConfigDict) -> Parts:
   """Checks `config` by building every part it names; one line if one fails.
 
@@ -133,6 +168,6 @@ def parts(config: ml_collections.ConfigDict) -> Parts:
       sync=_sync(config, schedule), remat=config.get("remat", "recompute"),
       optimizer_scope=config.get("optimizer_scope", "auto"))
   run = Parts(config, mesh, shards, (ds.x_test, ds.y_test), staged, loss_fn,
-              schedule, pipeline)
+              schedule, pipeline, _hook_factories(config))
   run.batch(0)  # a window that does not fit the data fails here
   return run

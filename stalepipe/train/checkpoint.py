@@ -31,7 +31,7 @@ from jax.experimental import multihost_utils
 # Fields that may change between a run and its resumption.
 RESUMABLE_CHANGES = frozenset({"num_steps", "log_every", "eval_every",
                                "checkpoint_every", "keep_checkpoints",
-                               "plots"})
+                               "plots", "hooks"})
 
 
 def _key(path) -> str:

@@ -47,12 +47,19 @@ from stalepipe import registry
 WEIGHT_DECAY_MODES = ("l2", "decoupled")
 
 
+# optax's factories a config cannot use: L-BFGS's update needs the loss and
+# its function (`value`, `grad`, `value_fn`), which a pipeline's stages never
+# see whole; joining schedules takes schedule objects, not data.
+_NOT_FROM_A_CONFIG = ("lbfgs", "join_schedules")
+
+
 def _optax_optimizers() -> dict[str, Callable[..., Any]]:
   """optax's optimizers: its public factories that take a learning rate."""
   found = {}
   for name in dir(optax):
     factory = getattr(optax, name)
-    if name.startswith(("_", "scale_by")) or not inspect.isfunction(factory):
+    if (name.startswith(("_", "scale_by")) or name in _NOT_FROM_A_CONFIG
+        or not inspect.isfunction(factory)):
       continue
     try:
       if "learning_rate" in inspect.signature(factory).parameters:
@@ -65,7 +72,8 @@ def _optax_optimizers() -> dict[str, Callable[..., Any]]:
 OPTIMIZERS = registry.Registry("optimizer", _optax_optimizers())
 SCHEDULES = registry.Registry("schedule", {
     name: obj for name, obj in vars(optax.schedules).items()
-    if not name.startswith("_") and inspect.isfunction(obj)
+    if not name.startswith("_") and name not in _NOT_FROM_A_CONFIG
+    and inspect.isfunction(obj)
     and inspect.signature(obj).return_annotation == optax.Schedule})
 
 

@@ -54,7 +54,8 @@ def train(parts: build.Parts, workdir: str,
   Args:
     parts: the run's parts, from `build.parts(config)`.
     workdir: where the run writes; held locked while it runs.
-    hooks: more hooks (`stalepipe.train.loop`), run after the trainer's own.
+    hooks: more hooks (`stalepipe.train.loop`), run after the trainer's own
+      and the config's (`config.hooks`).
 
   Returns:
     The summary: final evaluation, steps (minibatches), training throughput
@@ -129,8 +130,10 @@ def _train(parts: build.Parts, workdir: str,
                                 resume_step=first if first else None)
     hooks, throughput, evaluation = _hooks(parts, workdir, ckpt, writer,
                                            console, preemption)
+    configured = [factory(parts, workdir, **kwargs)
+                  for factory, kwargs in parts.hooks]
     end, why = loop.run(pipe.step, loop.Run(first, state, {}), parts.batch,
-                        num_steps, B, [*hooks, *user_hooks])
+                        num_steps, B, [*hooks, *configured, *user_hooks])
     ckpt.wait()
     console.close()
     if why != "done":
@@ -231,8 +234,8 @@ def _summary(parts, workdir, end, first, ckpt, writer, throughput,
       **metrics_lib.memory_bytes(), "device": str(jax.devices()[0]),
       "num_devices": jax.device_count(),
       "num_processes": jax.process_count()}
+  params = pipe.params(end.state)  # collective: every process takes part
   if jax.process_index() == 0:
-    params = pipe.params(end.state)
     flat = jax.tree_util.tree_flatten_with_path(params)[0]
     np.savez(os.path.join(workdir, "params.npz"),
              **{jax.tree_util.keystr(k): np.asarray(v) for k, v in flat})
