@@ -11,9 +11,10 @@ so it runs M+S-1 ticks too. Gradients are averaged over 'data' by the
 transpose of the replicated parameters, and SGD steps.
 
 Checks the baseline's loss and gradients against unpipelined training and
-prints one step's time:
+prints one step's time (the model's flags are `executor_common.py`'s):
 
-  .venv/bin/python experiments/baseline_gpipe.py [--hidden 512] [--micro 8]
+  .venv/bin/python experiments/baseline_gpipe.py [--hidden=512] [--micro=8] \
+      [--repeats=10] [--out_dir=DIR]
 
 References:
   Huang et al, GPipe: Efficient Training of Giant Neural Networks using
@@ -22,12 +23,11 @@ References:
   MaxText `layers/pipeline.py` (vmap over stages, circular shift).
 """
 
-import argparse
 import functools
-import os
 import time
 from typing import Any, Callable, Sequence
 
+from absl import flags
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -35,6 +35,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 DATA, STAGE = "data", "stage"
+FLAGS = flags.FLAGS
 
 
 def stack_stages(stage_params: Sequence[Any]) -> Any:
@@ -153,23 +154,18 @@ class GPipeBaseline:
                                                                  sharding)
 
 
-def main():
+def main(argv):
+  """Loss against unpipelined training, and the median step time."""
+  del argv
   import stalepipe as sp  # pylint: disable=import-outside-toplevel
   from stalepipe.models.losses import cross_entropy as classification_loss  # pylint: disable=import-outside-toplevel
-  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--hidden", type=int, default=512)
-  parser.add_argument("--micro", type=int, default=8)
-  parser.add_argument("--batch", type=int, default=32, help="per replica")
-  parser.add_argument("--layers", type=int, default=2, help="per stage")
-  parser.add_argument("--repeats", type=int, default=10)
-  args = parser.parse_args()
   mesh = jax.make_mesh((2, 4), (DATA, STAGE))
-  S, H, M = 4, args.hidden, args.micro
-  staged = sp.models.split(sp.models.mlp(H, H, S * args.layers - 1, H), S)
+  S, H, M, b = 4, FLAGS.hidden, FLAGS.micro, FLAGS.batch
+  staged = sp.models.split(sp.models.mlp(H, H, S * FLAGS.layers - 1, H), S)
   loss_fn = classification_loss
   rng = np.random.default_rng(0)
-  x = rng.normal(size=(M, 2 * args.batch, H)).astype(np.float32)
-  y = rng.integers(0, H, size=(M, 2 * args.batch)).astype(np.int32)
+  x = rng.normal(size=(M, 2 * b, H)).astype(np.float32)
+  y = rng.integers(0, H, size=(M, 2 * b)).astype(np.int32)
 
   baseline = GPipeBaseline(mlp_stage, loss_fn, optax.sgd(0.1), mesh)
   params, opt_state = baseline.init(staged.stage_params)
@@ -178,17 +174,24 @@ def main():
   model = sp.models.unpipelined(staged)
   want = np.mean([loss_fn(model(staged.stage_params, x[m]), y[m])
                   for m in range(M)])
+  result = {"loss": float(loss), "unpipelined_loss": float(want)}
   print(f"loss: baseline {float(loss):.6f}, unpipelined {want:.6f}")
   times = []
-  for _ in range(args.repeats + 1):
+  for _ in range(FLAGS.repeats + 1):
     t = time.perf_counter()
     params, opt_state, loss = baseline.step(params, opt_state, xs, ys)
     jax.block_until_ready(params)
     times.append(time.perf_counter() - t)
-  print(f"step: median {1e3 * np.median(times[1:]):.1f} ms")
+  result["step_median_s"] = float(np.median(times[1:]))
+  print(f"step: median {1e3 * result['step_median_s']:.1f} ms")
+  harness.record("baseline_gpipe", result)
 
 
 if __name__ == "__main__":
-  os.environ.setdefault("XLA_FLAGS",
-                        "--xla_force_host_platform_device_count=8")
-  main()
+  # Also a library (tests, executor_common): the flags and the harness only
+  # when run, where experiments/ is on the path. executor_common gives 8
+  # emulated CPU devices and defines the model's flags.
+  import executor_common  # pylint: disable=g-import-not-at-top,unused-import
+  import harness  # pylint: disable=g-import-not-at-top
+  flags.FLAGS.set_default("repeats", 10)
+  harness.run(main)

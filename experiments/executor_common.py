@@ -1,23 +1,31 @@
 """Shared set-up of the executor benchmarks (`executor_*.py`).
 
-Importing it first gives 8 emulated CPU devices. The model is the one every
+Importing it first gives 8 emulated CPU devices and the model's flags
+(`--hidden`, `--layers`, `--batch`, `--micro`; a benchmark with other defaults
+sets them with `flags.FLAGS.set_default`). The model is the one every
 benchmark uses: `stalepipe.models.mlp` of width H with `layers` blocks per
 stage, so that all S stages are identical `H x H` stages (which the stacked
 MaxText-style baseline needs).
 """
 
 import os
-import time
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+from absl import flags  # pylint: disable=g-import-not-at-top,wrong-import-position
 import jax  # pylint: disable=g-import-not-at-top,wrong-import-position
 import numpy as np  # pylint: disable=g-import-not-at-top,wrong-import-position
 
+import harness  # pylint: disable=g-import-not-at-top,wrong-import-position
 import stalepipe as sp  # pylint: disable=g-import-not-at-top,wrong-import-position
 from stalepipe.pipeline import program as program_lib  # pylint: disable=g-import-not-at-top,wrong-import-position
 from stalepipe.schedules import kinds  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+HIDDEN = flags.DEFINE_integer("hidden", 512, "Width H of every block.")
+LAYERS = flags.DEFINE_integer("layers", 2, "Blocks per stage.")
+BATCH = flags.DEFINE_integer("batch", 32, "Examples per replica.")
+MICRO = flags.DEFINE_integer("micro", 8, "Micro-batches per minibatch.")
 
 ASYNC = ("1f1b", "pipedream", "2bw", "hetpipe", "timeprest")
 _OPTIONS = {"hetpipe": {"concurrent_minibatches": 2}}
@@ -75,19 +83,17 @@ def baseline_run(staged, mesh, inputs_MxNx, targets_MxN):
   return run
 
 
-def interleaved_samples(runs: dict, repeats: int) -> dict:
-  """Seconds of each run, interleaved (one repeat of every run, then the
-  next), after a warm-up of two calls each (compile and first touch)."""
+def interleaved_samples(runs: dict) -> dict:
+  """Seconds of each run, `harness.interleave`d over `--repeats` rounds,
+  after a warm-up of two calls each (compile and first touch)."""
   for run in runs.values():
     run()
-    run()
-  samples = {label: [] for label in runs}
-  for _ in range(repeats):
-    for label, run in runs.items():
-      start = time.perf_counter()
-      run()
-      samples[label].append(time.perf_counter() - start)
-  return samples
+  return harness.interleave(runs)
+
+
+def config(*names: str) -> dict:
+  """The values of the flags `names`, for a result's "config"."""
+  return {name: flags.FLAGS[name].value for name in names}
 
 
 def with_tables(args: tuple, tables) -> tuple:

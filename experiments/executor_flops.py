@@ -15,10 +15,10 @@
    (`baseline_gpipe.py`, unrolled so that its cost analysis is the executed
    count), whose bubbles cost (M+S-1)/M.
 
-  .venv/bin/python experiments/executor_flops.py [--hidden 512] [--batch 32]
+  .venv/bin/python experiments/executor_flops.py [--hidden=512] [--batch=32] \
+      [--layers=2] [--out_dir=DIR]
 """
 
-import argparse
 import json
 
 import executor_common as common  # pylint: disable=g-bad-import-order
@@ -29,6 +29,7 @@ import numpy as np
 import optax
 
 import baseline_gpipe
+import harness
 import stalepipe as sp
 from stalepipe.pipeline import executor
 from stalepipe.pipeline import program as program_lib
@@ -163,16 +164,11 @@ def baseline_flops(staged, mesh, micro: int, batch: int, hidden: int) -> float:
   return float(cost["flops"])
 
 
-def main():
-  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--hidden", type=int, default=512)
-  parser.add_argument("--batch", type=int, default=32, help="per replica")
-  parser.add_argument("--layers", type=int, default=2, help="per stage")
-  parser.add_argument("--json", default=None, help="write results here")
-  args = parser.parse_args()
-  H, b = args.hidden, args.batch
+def main(argv):
+  del argv
+  H, b = common.HIDDEN.value, common.BATCH.value
   mesh = jax.make_mesh((2, S), ("data", "stage"))
-  staged = common.make_model(S, H, args.layers)
+  staged = common.make_model(S, H, common.LAYERS.value)
   results = {"probe": probe_cost_analysis()}
   print("cost analysis probe:", json.dumps(results["probe"]))
   rows = []
@@ -204,10 +200,8 @@ def main():
     rows.append(row)
     print(json.dumps(row))
   results["schedules"] = rows
-  if args.json:
-    with open(args.json, "w") as f:
-      json.dump(results, f, indent=1)
+  harness.record("executor_flops", results)
 
 
 if __name__ == "__main__":
-  main()
+  harness.run(main)

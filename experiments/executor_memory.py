@@ -10,22 +10,27 @@ one schedule beyond what it needs (extra, never-used slots) and checks that
 only the argument bytes grow with R, not the temps: the ring is indexed in
 place, not copied.
 
-  .venv/bin/python experiments/executor_memory.py [--hidden 512] [--layers 4]
+  .venv/bin/python experiments/executor_memory.py [--hidden=512] [--layers=4] \
+      [--batch=8] [--micro=4] [--out_dir=DIR]
 """
 
-import argparse
 import json
 
 import executor_common as common  # pylint: disable=g-bad-import-order
 
+from absl import flags
 import jax
 import numpy as np
 import optax
 
+import harness
 from stalepipe.pipeline import executor
 from stalepipe.models.losses import cross_entropy as classification_loss
 
 S = 4
+flags.FLAGS.set_default("layers", 4)
+flags.FLAGS.set_default("batch", 8)
+flags.FLAGS.set_default("micro", 4)
 
 
 def shard_bytes(tree) -> int:
@@ -67,32 +72,26 @@ def analyse(staged, schedule, mesh, batch: int, hidden: int,
   }
 
 
-def main():
-  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--hidden", type=int, default=512)
-  parser.add_argument("--layers", type=int, default=4, help="per stage")
-  parser.add_argument("--batch", type=int, default=8, help="per replica")
-  parser.add_argument("--micro", type=int, default=4)
-  parser.add_argument("--json", default=None, help="write results here")
-  args = parser.parse_args()
+def main(argv):
+  del argv
+  hidden, batch, micro = (common.HIDDEN.value, common.BATCH.value,
+                          common.MICRO.value)
   mesh = jax.make_mesh((2, S), ("data", "stage"))
-  staged = common.make_model(S, args.hidden, args.layers)
+  staged = common.make_model(S, hidden, common.LAYERS.value)
   rows = []
   for name in ("gpipe",) + common.ASYNC:
-    schedule = common.make_schedule(name, S, args.micro, 2)
-    rows.append(analyse(staged, schedule, mesh, args.batch, args.hidden))
+    schedule = common.make_schedule(name, S, micro, 2)
+    rows.append(analyse(staged, schedule, mesh, batch, hidden))
     print(json.dumps(rows[-1]))
   sweep = []
   for extra in (0, 2, 4):
-    schedule = common.make_schedule("pipedream", S, args.micro, 2)
-    sweep.append(analyse(staged, schedule, mesh, args.batch, args.hidden,
+    schedule = common.make_schedule("pipedream", S, micro, 2)
+    sweep.append(analyse(staged, schedule, mesh, batch, hidden,
                          extra_versions=extra))
     print(json.dumps({k: sweep[-1][k] for k in (
         "ring_versions", "ring_bytes", "argument_bytes", "temp_bytes")}))
-  if args.json:
-    with open(args.json, "w") as f:
-      json.dump({"schedules": rows, "ring_sweep": sweep}, f, indent=1)
+  harness.record("executor_memory", {"schedules": rows, "ring_sweep": sweep})
 
 
 if __name__ == "__main__":
-  main()
+  harness.run(main)

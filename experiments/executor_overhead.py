@@ -14,30 +14,33 @@ of every run, then the next repeat), after a warm-up:
   tasks of one window is the compute a step cannot avoid.
 
 Reports medians and `overhead = step / sum of the stages' compute alone`.
-`--patched FILE` also times a modified copy of `stalepipe/pipeline/
+`--patched=FILE` also times a modified copy of `stalepipe/pipeline/
 executor.py` in the same run (A/B of a proposed speed-up).
 
-  .venv/bin/python experiments/executor_overhead.py [--repeats 15] \
-      [--png docs/figures/executor_overhead.png]
+  .venv/bin/python experiments/executor_overhead.py [--repeats=15] \
+      [--out_dir=DIR] [--write_figures] [--patched=FILE]
 """
 
-import argparse
 import importlib.util
 import itertools
-import json
 import time
 
 import executor_common as common  # pylint: disable=g-bad-import-order
 
+from absl import flags
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
+import harness
 from stalepipe.models.losses import cross_entropy
 from stalepipe.pipeline import executor
 
 S = 4
+_PATCHED = flags.DEFINE_string(
+    "patched", None, "A modified copy of executor.py to time beside it.")
+flags.FLAGS.set_default("repeats", 15)
 
 
 def alone_costs(staged, micro: int, batch: int, hidden: int, repeats: int):
@@ -70,26 +73,16 @@ def alone_costs(staged, micro: int, batch: int, hidden: int, repeats: int):
   return out
 
 
-def main():
-  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--hidden", type=int, default=512)
-  parser.add_argument("--layers", type=int, default=2, help="per stage")
-  parser.add_argument("--batch", type=int, default=32, help="per replica")
-  parser.add_argument("--micro", type=int, default=8)
-  parser.add_argument("--repeats", type=int, default=15)
-  parser.add_argument("--json", default=None, help="write results here")
-  parser.add_argument("--png", default=None, help="write a bar chart here")
-  parser.add_argument("--patched", default=None,
-                      help="a modified copy of executor.py to time beside it")
-  args = parser.parse_args()
-  H, b, M = args.hidden, args.batch, args.micro
+def main(argv):
+  del argv
+  H, b, M = common.HIDDEN.value, common.BATCH.value, common.MICRO.value
   mesh = jax.make_mesh((2, S), ("data", "stage"))
-  staged = common.make_model(S, H, args.layers)
+  staged = common.make_model(S, H, common.LAYERS.value)
   x, y = common.make_batch(1, M, 2 * b, H)
 
   executors = {"": executor}
-  if args.patched:
-    spec = importlib.util.spec_from_file_location("patched", args.patched)
+  if _PATCHED.value:
+    spec = importlib.util.spec_from_file_location("patched", _PATCHED.value)
     executors[" [patched]"] = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(executors[" [patched]"])
   runs, states, tasks = {}, {}, {}
@@ -120,13 +113,15 @@ def main():
 
   runs["baseline GPipe (MaxText style)"] = common.baseline_run(
       staged, mesh, x[0], y[0])
-  samples = common.interleaved_samples(runs, args.repeats)
-  alone = alone_costs(staged, M, b, H, args.repeats)
+  samples = common.interleaved_samples(runs)
+  alone = alone_costs(staged, M, b, H, harness.REPEATS.value)
   alone_sum = sum(M * (c["F"] + c["B"]) for c in alone)
-  results = {"config": vars(args), "tasks": tasks, "alone": alone,
+  config = common.config("hidden", "layers", "batch", "micro", "repeats",
+                         "patched")
+  results = {"config": config, "tasks": tasks, "alone": alone,
              "alone_sum_s": alone_sum, "runs": {}}
   for label, times in samples.items():
-    median = float(np.median(times))
+    median = harness.median(times)
     results["runs"][label] = {
         "median_s": median, "q25_s": float(np.percentile(times, 25)),
         "q75_s": float(np.percentile(times, 75)),
@@ -143,10 +138,9 @@ def main():
     tasks[name]["over_baseline"] = results["runs"][name]["median_s"] / baseline
     print(f"{name}: idle tick {tasks[name]['idle_tick_ms']:.2f} ms, "
           f"step over baseline {tasks[name]['over_baseline']:.2f}")
-  if args.json:
-    with open(args.json, "w") as f:
-      json.dump(results, f, indent=1)
-  if args.png:
+  harness.record("executor_overhead", results)
+  path = harness.figure_path("executor_overhead.png")
+  if path:
     import matplotlib  # pylint: disable=import-outside-toplevel
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
@@ -158,8 +152,8 @@ def main():
     ax.set_xlabel("ms per step (median), 8 emulated CPU devices")
     ax.set_title(f"S={S}, M={M}, H={H}, b={b} per replica, 2 replicas")
     fig.tight_layout()
-    fig.savefig(args.png, dpi=120)
+    fig.savefig(path, dpi=120)
 
 
 if __name__ == "__main__":
-  main()
+  harness.run(main)

@@ -16,17 +16,27 @@ loops (so a whole loop can be one CUDA graph). A tick above about 50 us
 points at a host round trip per conditional; compare the lowerings and flag
 sets to find the mitigation.
 
-  python3 experiments/gpu_check.py [--json gpu_check.json]
+  python3 experiments/gpu_check.py [--repeats=20] [--out_dir=DIR]
 
 Runs on any backend (on CPU it only checks that it runs).
 """
 
-import argparse
 import json
 import os
 import subprocess
 import sys
 import time
+
+from absl import flags
+
+import harness
+
+_HIDDEN = flags.DEFINE_integer("hidden", 1024, "Width of the MLP.")
+_BATCH = flags.DEFINE_integer("batch", 64, "Examples per micro-batch.")
+_MICRO = flags.DEFINE_integer("micro", 8, "Micro-batches per minibatch.")
+_CHILD = flags.DEFINE_bool("child", False, "Internal: measure in this "
+                           "process and print the JSON.")
+flags.FLAGS.set_default("repeats", 20)
 
 FLAG_SETS = {
     "default": "",
@@ -89,27 +99,20 @@ def measure(hidden: int, batch: int, micro: int, repeats: int) -> dict:
   return out
 
 
-def main():
-  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--hidden", type=int, default=1024)
-  parser.add_argument("--batch", type=int, default=64)
-  parser.add_argument("--micro", type=int, default=8)
-  parser.add_argument("--repeats", type=int, default=20)
-  parser.add_argument("--json", default=None)
-  parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-  args = parser.parse_args()
-  if args.child:
-    print(json.dumps(measure(args.hidden, args.batch, args.micro,
-                             args.repeats)))
+def main(argv):
+  del argv
+  sizes = {"hidden": _HIDDEN.value, "batch": _BATCH.value,
+           "micro": _MICRO.value, "repeats": harness.REPEATS.value}
+  if _CHILD.value:
+    print(json.dumps(measure(**sizes)))
     return
   results = {}
-  for label, flags in FLAG_SETS.items():
+  for label, xla_flags in FLAG_SETS.items():
     env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " "
-                                      + flags).strip())
+                                      + xla_flags).strip())
     done = subprocess.run(
-        [sys.executable, __file__, "--child", "--hidden", str(args.hidden),
-         "--batch", str(args.batch), "--micro", str(args.micro),
-         "--repeats", str(args.repeats)],
+        [sys.executable, __file__, "--child"]
+        + [f"--{name}={value}" for name, value in sizes.items()],
         env=env, capture_output=True, text=True, check=False)
     if done.returncode:
       results[label] = {"error": done.stderr.strip().splitlines()[-1:]}
@@ -119,10 +122,8 @@ def main():
     for run, r in results[label]["runs"].items():
       print(f"{label:36s} {run:28s} idle tick {r['idle_tick_us']:8.1f} us  "
             f"step {r['step_ms_per_minibatch']:8.3f} ms/minibatch")
-  if args.json:
-    with open(args.json, "w") as f:
-      json.dump(results, f, indent=1)
+  harness.record("gpu_check", results)
 
 
 if __name__ == "__main__":
-  main()
+  harness.run(main)

@@ -7,13 +7,14 @@ compares, block by block, the parameters and per-sample output sizes of
 `stalepipe.models.resnet` with the planner's analytic profile
 (`stalepipe.plan.analytic.resnet152`), which HetPipe's partitioner uses. Run:
 
-  .venv/bin/python experiments/model_sizes.py
+  .venv/bin/python experiments/model_sizes.py [--out_dir=DIR]
 """
 
 import jax
 import numpy as np
 from flax import nnx
 
+import harness
 import stalepipe as sp
 from stalepipe.models.cnn import VGG16, VGG19
 from stalepipe.models.resnet import RESNET18, RESNET50, RESNET152
@@ -61,14 +62,16 @@ def block_outputs(blocks, shape) -> list[int]:
   return sizes
 
 
-def main():
+def main(argv):
+  del argv
   print("| model | blocks | parameters | float32 MiB | published |")
   print("|---|---:|---:|---:|---|")
-  built = {}
+  built, counts = {}, {}
   for name, make, shape, published in MODELS:
     blocks = nnx.eval_shape(make)
     built[name] = (blocks, shape)
     n = sum(block_params(blocks))
+    counts[name] = {"blocks": len(blocks), "parameters": n}
     print(f"| {name} | {len(blocks)} | {n:,} | {n * 4 / 2**20:.1f} | "
           f"{published} |")
 
@@ -82,7 +85,10 @@ def main():
   for i, (a, b) in enumerate(zip(ours, theirs)):
     if a != b:
       print(f"  block {i}: models (params, output) = {a}, analytic = {b}")
+  harness.record("model_sizes", {
+      "models": counts, "resnet152_blocks_vs_analytic": {
+          "models": len(ours), "analytic": len(theirs), "agree": same}})
 
 
 if __name__ == "__main__":
-  main()
+  harness.run(main)

@@ -8,7 +8,7 @@ CPU devices). It prints the last window's loss of each and the largest
 parameter difference between them. Run:
 
   XLA_FLAGS=--xla_force_host_platform_device_count=8 \\
-    .venv/bin/python experiments/models_in_pipelines.py
+    .venv/bin/python experiments/models_in_pipelines.py [--out_dir=DIR]
 """
 
 import os
@@ -19,6 +19,7 @@ import jax  # pylint: disable=g-import-not-at-top
 import numpy as np  # pylint: disable=g-import-not-at-top
 import optax  # pylint: disable=g-import-not-at-top
 
+import harness  # pylint: disable=g-import-not-at-top
 import stalepipe as sp  # pylint: disable=g-import-not-at-top
 from stalepipe.pipeline import executor, reference  # pylint: disable=g-import-not-at-top
 
@@ -64,11 +65,13 @@ def windows(x, y, count):
            y[rows].reshape(MINI, MICRO, DATA * BATCH, *y.shape[1:]))
 
 
-def main():
+def main(argv):
+  del argv
   mesh = jax.make_mesh((DATA, STAGES), ("data", "stage"))
   print("| model / data | schedule | oracle loss | executor loss | "
         "max abs param diff |")
   print("|---|---|---:|---:|---:|")
+  results = {}
   for name, load, model_kwargs, loss_fn in MODELS:
     x, y = load()
     kwargs = dict(model_kwargs)
@@ -91,10 +94,14 @@ def main():
       diff = max(float(np.abs(a - b).max()) for a, b in zip(
           jax.tree.leaves(oracle.params(oracle_state)),
           jax.tree.leaves(pipe.params(state))))
+      results[f"{name}, {schedule_name}"] = {
+          "oracle_loss": float(oracle_metrics["loss"]),
+          "executor_loss": float(metrics["loss"]), "max_abs_param_diff": diff}
       print(f"| {name} | {schedule_name} | "
             f"{float(oracle_metrics['loss']):.4f} | "
             f"{float(metrics['loss']):.4f} | {diff:.1e} |", flush=True)
+  harness.record("models_in_pipelines", results)
 
 
 if __name__ == "__main__":
-  main()
+  harness.run(main)

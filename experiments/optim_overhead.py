@@ -8,22 +8,32 @@ share of the step spent on compensation, (t - t_base) / t per round against
 that round's baseline (median and quartiles over rounds), and the
 optimizer-state bytes per parameter of every transform in `stalepipe.optim`.
 
-  .venv/bin/python experiments/optim_overhead.py [--batch 64 512 2048] [--repeats 25]
+  .venv/bin/python experiments/optim_overhead.py [--batch=64,512,2048] \
+      [--repeats=25] [--out_dir=DIR]
 
 Several batch sizes give the share as the step's compute grows: compensation
 is a few memory-bound passes over the parameters, a fixed cost per step.
 """
 
-import argparse
-import json
 import time
 
+from absl import flags
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
+import harness
 import stalepipe as sp
+
+_BATCH = flags.DEFINE_list("batch", ["256"], "Batch sizes, comma-separated.")
+_WIDTH = flags.DEFINE_integer("width", 2048, "Width of the MLP's 4 hidden "
+                              "layers.")
+flags.register_validator("batch", lambda v: all(b.isdigit() and int(b) > 0
+                                                for b in v),
+                         "--batch: positive integers, comma-separated")
+# Its own rounds (a new order each round, shares paired per round).
+flags.FLAGS.set_default("repeats", 15)
 
 
 def mlp_params(key, widths):
@@ -97,13 +107,10 @@ def time_variants(variants, params, widths, batch, repeats):
   return out
 
 
-def main():
-  parser = argparse.ArgumentParser()
-  parser.add_argument("--batch", type=int, nargs="+", default=[256])
-  parser.add_argument("--width", type=int, default=2048)
-  parser.add_argument("--repeats", type=int, default=15)
-  args = parser.parse_args()
-  widths = [1024] + [args.width] * 4 + [10]
+def main(argv):
+  del argv
+  batches, repeats = [int(b) for b in _BATCH.value], harness.REPEATS.value
+  widths = [1024] + [_WIDTH.value] * 4 + [10]
   params = mlp_params(jax.random.key(0), widths)
   num_params = sum(x.size for x in jax.tree.leaves(params))
   sgd = lambda: optax.sgd(0.01, 0.9)  # pylint: disable=unnecessary-lambda-assignment
@@ -121,17 +128,16 @@ def main():
       "stale + WP option 3": wp_step(sp.optim.WeightPrediction(
           sgd(), 3, num_workers=4)),
   }
-  results = {batch: time_variants(variants, params, widths, batch,
-                                  args.repeats)
-             for batch in args.batch}
-  print(f"MLP {widths}: {num_params / 1e6:.1f}M params, {args.repeats} "
+  results = {batch: time_variants(variants, params, widths, batch, repeats)
+             for batch in batches}
+  print(f"MLP {widths}: {num_params / 1e6:.1f}M params, {repeats} "
         f"interleaved repeats, {jax.devices()[0].platform}")
   print("| step | " + " | ".join(f"batch {b}: median ms, share"
-                                  for b in args.batch) + " |")
-  print("|---|" + "---|" * len(args.batch))
+                                  for b in batches) + " |")
+  print("|---|" + "---|" * len(batches))
   for name in variants:
     cells = []
-    for batch in args.batch:
+    for batch in batches:
       r = results[batch][name]
       share = ("-" if name.startswith("baseline") else
                f"{100 * r['share']:.1f}% [{100 * r['share_q1']:.1f}, "
@@ -166,9 +172,9 @@ def main():
   for name, init in transforms.items():
     memory[name] = state_bytes_per_param(init, params)
     print(f"| {name} | {memory[name]:.2f} |")
-  print(json.dumps({"params": num_params, "steps": results,
-                    "bytes_per_param": memory}))
+  harness.record("optim_overhead", {"params": num_params, "steps": results,
+                                    "bytes_per_param": memory})
 
 
 if __name__ == "__main__":
-  main()
+  harness.run(main)

@@ -12,9 +12,10 @@ N_m: the partitioner gives each virtual worker's Max_m; as in seed 001 §8.3
 every VW runs the same N_m, chosen (up to min Max_m) for the best simulated
 throughput. Run:
 
-  .venv/bin/python experiments/plan_hetpipe.py
+  .venv/bin/python experiments/plan_hetpipe.py [--out_dir=DIR] [--write_figures]
 
-It prints Markdown tables and writes docs/figures/plan_hetpipe.png.
+It prints Markdown tables and draws plan_hetpipe.png (into docs/figures/ with
+--write_figures).
 """
 
 import time
@@ -25,6 +26,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
 import numpy as np
 
+import harness
 import stalepipe as sp
 from stalepipe.plan import analytic
 from stalepipe.plan import devices as dev
@@ -98,9 +100,10 @@ def describe(planned) -> str:
   return "; ".join(dict.fromkeys(out))
 
 
-def main():
+def main(argv):
+  del argv
   start = time.perf_counter()
-  figure = {}
+  figure, record = {}, {}
   for model in ("vgg19", "resnet152"):
     profiles = profiles_for(model)
     print(f"\n### {model}: allocation policies (Table 3), WSP D=0, "
@@ -116,6 +119,9 @@ def main():
       print(f"| {policy} | {vws} | {list(max_m)} | {planned.concurrent} | "
             f"{rate:.0f} | {describe(planned)} |")
       figure[(model, policy)] = rate
+      record[f"{model} {policy}"] = {
+          "images_per_second": rate, "concurrent": planned.concurrent,
+          "max_concurrent": list(max_m), "plans": describe(planned)}
     print(f"\n### {model}: adding whimpy GPUs (Table 4), ED-local, WSP D=0\n")
     print("| GPUs | ours images/s (total N_m) | paper HetPipe images/s "
           "(total N_m) | plan |")
@@ -129,11 +135,19 @@ def main():
       print(f"| {4 * len(types)} [4{types}] | {rate:.0f} ({total}) | "
             f"{paper_rate} ({paper_nm}) | {describe(planned)} |")
       figure[(model, types)] = (rate, paper_rate)
-  _plot(figure)
+      record[f"{model} 4{types}"] = {
+          "images_per_second": rate, "total_concurrent": total,
+          "paper_images_per_second": paper_rate, "paper_total_concurrent":
+          paper_nm, "plans": describe(planned)}
+  harness.record("plan_hetpipe", record)
+  path = harness.figure_path("plan_hetpipe.png")
+  if path:
+    _plot(figure, path)
+    print(f"wrote {path}")
   print(f"\n(total {time.perf_counter() - start:.0f} s)")
 
 
-def _plot(figure):
+def _plot(figure, path):
   fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
   for ax, model in zip(axes, ("vgg19", "resnet152")):
     labels = ["V", "VR", "VRQ", "VRQG"]
@@ -147,8 +161,8 @@ def _plot(figure):
     ax.set_ylabel("images/s")
     ax.legend()
   fig.tight_layout()
-  fig.savefig("docs/figures/plan_hetpipe.png", dpi=120)
+  fig.savefig(path, dpi=120)
 
 
 if __name__ == "__main__":
-  main()
+  harness.run(main)

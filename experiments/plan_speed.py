@@ -2,13 +2,14 @@
 
 Target (issue 7): under 10 s. Run:
 
-  .venv/bin/python experiments/plan_speed.py
+  .venv/bin/python experiments/plan_speed.py [--out_dir=DIR]
 """
 
 import time
 
 import numpy as np
 
+import harness
 from stalepipe.plan import devices as dev
 from stalepipe.plan.partition import max_concurrent_minibatches, partition
 from stalepipe.plan.profile import Profile, scale
@@ -26,7 +27,8 @@ def synthetic_profile(num_blocks: int, seed: int = 0) -> Profile:
       kept_bytes=tuple(int(b) for b in rng.integers(5, 60, num_blocks) * 2**20))
 
 
-def main():
+def main(argv):
+  del argv
   profile = synthetic_profile(150)
   profiles = {t.name: scale(profile, dev.TITAN_V, t)
               for t in dev.TABLE1.values()}
@@ -42,8 +44,14 @@ def main():
   print(f"  bottleneck {plan.bottleneck_s * 1e3:.1f} ms per minibatch")
   start = time.perf_counter()
   max_m = max_concurrent_minibatches(profiles, devices, limit=32)
-  print(f"Max_m = {max_m} in {time.perf_counter() - start:.2f} s")
+  max_m_seconds = time.perf_counter() - start
+  print(f"Max_m = {max_m} in {max_m_seconds:.2f} s")
+  harness.record("plan_speed", {
+      "partition_s": seconds,
+      "order": "".join(d.spec.name for d in plan.devices),
+      "boundaries": list(plan.boundaries), "bottleneck_s": plan.bottleneck_s,
+      "max_concurrent": max_m, "max_concurrent_s": max_m_seconds})
 
 
 if __name__ == "__main__":
-  main()
+  harness.run(main)

@@ -11,12 +11,14 @@ a thread waits for the intra-op pool (XLA:CPU splits large loop fusions into
 waiting, not work.
 
   PYTHONPATH=. .venv/bin/python experiments/profile_step.py \
-      [--schedule zb-h1] [--remat residuals] [--layout packed] [--batch 32] \
-      [--top 15]
-  PYTHONPATH=. .venv/bin/python experiments/profile_step.py --schedule baseline
+      [--schedule=zb-h1] [--remat=residuals] [--layout=packed] [--batch=32] \
+      [--top=15] [--out_dir=DIR]
+  PYTHONPATH=. .venv/bin/python experiments/profile_step.py --schedule=baseline
+
+The model's flags (`--hidden`, `--layers`, `--batch`, `--micro`,
+`--minibatches`, `--layout`) are `zero_bubble.py`'s.
 """
 
-import argparse
 import collections
 import glob
 import gzip
@@ -26,11 +28,11 @@ import tempfile
 
 import executor_common as common  # pylint: disable=g-bad-import-order
 
+from absl import flags
 import jax
 import numpy as np
 
-from stalepipe.pipeline import packing
-
+import harness
 import zero_bubble
 
 # Trace events that contain ops or wait for others, not ops themselves.
@@ -38,6 +40,14 @@ _CONTAINERS = re.compile(
     r"^(ThunkExecutor|Wait|conditional|while|Rendezvous|\$|end:|"
     r"InvokeRendezvous|SlinkyThreadPool|call|Thunk|PjitFunction|"
     r"CommonPjRt|ppermute|psum|all-reduce)")
+
+_SCHEDULE = flags.DEFINE_string("schedule", "zb-h1",
+                                "A schedule name, or 'baseline'.")
+_REMAT = flags.DEFINE_enum("remat", "residuals", zero_bubble.REMATS,
+                           "The executor's remat.")
+_WINDOWS = flags.DEFINE_integer("windows", 3, "Windows traced.",
+                                lower_bound=1)
+_TOP = flags.DEFINE_integer("top", 15, "Ops listed.", lower_bound=1)
 
 
 def op_durations(trace_dir: str, op_tasks: dict[str, str] | None = None
@@ -62,61 +72,55 @@ def op_durations(trace_dir: str, op_tasks: dict[str, str] | None = None
   return durations, by_task
 
 
-def main():
-  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--schedule", default="zb-h1",
-                      help="a schedule name, or 'baseline'")
-  parser.add_argument("--remat", default="residuals",
-                      choices=zero_bubble.REMATS)
-  parser.add_argument("--layout", default="packed",
-                      choices=tuple(packing.LAYOUTS))
-  parser.add_argument("--hidden", type=int, default=512)
-  parser.add_argument("--layers", type=int, default=2, help="per stage")
-  parser.add_argument("--batch", type=int, default=32, help="per replica")
-  parser.add_argument("--micro", type=int, default=8)
-  parser.add_argument("--minibatches", type=int, default=2)
-  parser.add_argument("--windows", type=int, default=3, help="traced")
-  parser.add_argument("--top", type=int, default=15)
-  args = parser.parse_args()
-  if args.windows < 1 or args.top < 1:
-    parser.error(f"--windows {args.windows} and --top {args.top}: "
-                 "each must be at least 1")
+def main(argv):
+  del argv
+  windows, hidden = _WINDOWS.value, common.HIDDEN.value
   mesh = jax.make_mesh((2, zero_bubble.S), ("data", "stage"))
-  staged = common.make_model(zero_bubble.S, args.hidden, args.layers)
-  x, y = common.make_batch(args.minibatches, args.micro, 2 * args.batch,
-                           args.hidden)
+  staged = common.make_model(zero_bubble.S, hidden, common.LAYERS.value)
+  x, y = common.make_batch(zero_bubble.MINIBATCHES.value, common.MICRO.value,
+                           2 * common.BATCH.value, hidden)
   info = {}
-  if args.schedule == "baseline":
+  if _SCHEDULE.value == "baseline":
     run = common.baseline_run(staged, mesh, x[0], y[0])
   else:
-    run, _, info = zero_bubble.build(args.schedule, args.remat,
+    run, _, info = zero_bubble.build(_SCHEDULE.value, _REMAT.value,
                                      "nested_switch", staged, mesh, x, y,
-                                     layout=args.layout, with_ops=True)
+                                     layout=zero_bubble.LAYOUT.value,
+                                     with_ops=True)
   for _ in range(3):
     run()
   with tempfile.TemporaryDirectory() as trace_dir:
     jax.profiler.start_trace(trace_dir, create_perfetto_trace=True)
-    for _ in range(args.windows):
+    for _ in range(windows):
       run()
     jax.profiler.stop_trace()
     durations, by_task = op_durations(trace_dir, info.get("op_tasks"))
   total = sum(sum(v) for v in durations.values())
-  print(f"{args.schedule}: op time {total / args.windows / 1e3:.1f} ms per "
+  print(f"{_SCHEDULE.value}: op time {total / windows / 1e3:.1f} ms per "
         "window, summed over device threads")
   print(f"{'op':40s} {'calls':>6s} {'median':>8s} {'mean':>8s} {'p90':>8s} "
         f"{'share':>6s}")
   ranked = sorted(durations.items(), key=lambda kv: -sum(kv[1]))
-  for name, values in ranked[:args.top]:
+  ops = {}
+  for name, values in ranked[:_TOP.value]:
     v = np.asarray(values)
-    print(f"{name[:40]:40s} {len(v) // args.windows:6d} "
-          f"{np.median(v):6.0f}us {v.mean():6.0f}us "
-          f"{np.percentile(v, 90):6.0f}us {100 * v.sum() / total:5.1f}%")
+    ops[name] = {"calls_per_window": len(v) // windows,
+                 "median_us": float(np.median(v)), "mean_us": float(v.mean()),
+                 "p90_us": float(np.percentile(v, 90)),
+                 "share": float(v.sum() / total)}
+    print(f"{name[:40]:40s} {ops[name]['calls_per_window']:6d} "
+          f"{ops[name]['median_us']:6.0f}us {ops[name]['mean_us']:6.0f}us "
+          f"{ops[name]['p90_us']:6.0f}us {100 * ops[name]['share']:5.1f}%")
   if info.get("op_tasks"):
     print(f"\n{'task (named scope)':40s} {'per window':>10s} {'share':>6s}")
     for task, us in sorted(by_task.items(), key=lambda kv: -kv[1]):
-      print(f"{task:40s} {us / args.windows / 1e3:8.1f}ms "
+      print(f"{task:40s} {us / windows / 1e3:8.1f}ms "
             f"{100 * us / total:5.1f}%")
+  harness.record("profile_step", {
+      "schedule": _SCHEDULE.value, "op_ms_per_window": total / windows / 1e3,
+      "ops": ops, "task_ms_per_window": {
+          task: us / windows / 1e3 for task, us in by_task.items()}})
 
 
 if __name__ == "__main__":
-  main()
+  harness.run(main)

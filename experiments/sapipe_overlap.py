@@ -17,7 +17,7 @@ reaches the weights after step t+1's update (it must: that is where it is
 applied), and counts the parameter-sized all-reduce ops in the compiled
 executor step (the update's, in the tick loop's body: one per update).
 
-  .venv/bin/python experiments/sapipe_overlap.py
+  .venv/bin/python experiments/sapipe_overlap.py [--out_dir=DIR]
 """
 
 import re
@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+import harness
 import stalepipe as sp
 from stalepipe.models.losses import cross_entropy
 from stalepipe.pipeline import executor
@@ -108,17 +109,22 @@ def all_reduces(rule, staged):
   return len(re.findall(r"= f32\[\d+\]\{0\} all-reduce(?:-start)?\(", hlo))
 
 
-def main():
+def main(argv):
+  del argv
+  np.set_printoptions(precision=3)
   staged = sp.models.split(sp.models.mlp(8, 16, 1, 8), 1)
   print(f"{'update rule':44s} {'G_t feeds t+1 forward':>22s} "
         f"{'G_t applied at t+1':>19s} {'all-reduces':>11s}")
+  results = {}
   for name, rule in rules().items():
     r = analyse(name, rule, staged.stage_params[0])
+    r["all_reduces"] = all_reduces(rule, staged)
+    results[name] = r
     print(f"{name:44s} {str(r['feeds_next_forward']):>22s} "
           f"{str(r['applied_at_next_update']):>19s} "
-          f"{all_reduces(rule, staged):>11d}")
+          f"{r['all_reduces']:>11d}")
+  harness.record("sapipe_overlap", results)
 
 
 if __name__ == "__main__":
-  np.set_printoptions(precision=3)
-  main()
+  harness.run(main)

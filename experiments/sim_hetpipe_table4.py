@@ -26,14 +26,13 @@ Table 4's "Single GPU [V]" throughput. Two network settings:
   nominal link speed.
 
 Usage:
-  .venv/bin/python experiments/sim_hetpipe_table4.py \
-      [--png docs/figures/sim_hetpipe_table4.png]
+  .venv/bin/python experiments/sim_hetpipe_table4.py [--out_dir=DIR] \
+      [--write_figures]
 """
-
-import argparse
 
 import numpy as np
 
+import harness
 import stalepipe as sp
 from stalepipe.plan import analytic
 from stalepipe.plan import devices as dev
@@ -142,14 +141,14 @@ def effective_bandwidth(profiles, model):
   return np.sqrt(lo * hi)
 
 
-def main():
-  parser = argparse.ArgumentParser()
-  parser.add_argument("--png", default="docs/figures/sim_hetpipe_table4.png")
-  args = parser.parse_args()
-  results = {}
+def main(argv):
+  del argv
+  results, record = {}, {}
   for model in ("vgg19", "resnet152"):
     profiles = profiles_for(model)
     bw = effective_bandwidth(profiles, model)
+    record[model] = {"single_v": single(profiles),
+                     "effective_bandwidth": float(bw)}
     print(f"\n### {model}: single V {single(profiles):.0f} images/s "
           f"(paper {SINGLE_V[model]:.0f}, calibrated); effective bandwidth "
           f"{bw / 1e9:.2f} GB/s\n")
@@ -165,14 +164,21 @@ def main():
       hp = [hetpipe(profiles, t, n, bandwidth)
             for t, (_, n) in zip(SETS, PAPER_HETPIPE[model])]
       results[(model, label)] = (hv, [x[0] for x in hp])
+      record[model][label] = {
+          "sets": SETS, "horovod": hv, "hetpipe": [x[0] for x in hp],
+          "hetpipe_total_nm": [x[1] for x in hp],
+          "hetpipe_plan": [x[2] for x in hp]}
       print(f"| {label} | Horovod | " + " | ".join(
           "X" if v is None else f"{v:.0f}" for v in hv) + " |")
       print(f"| {label} | HetPipe | " + " | ".join(
           f"{v:.0f} ({n})" for v, n, _ in hp) + " |")
       print(f"| {label} | HetPipe plan | " + " | ".join(
           p for _, _, p in hp) + " |")
-  _plot(results, args.png)
-  print(f"wrote {args.png}")
+  harness.record("sim_hetpipe_table4", record)
+  path = harness.figure_path("sim_hetpipe_table4.png")
+  if path:
+    _plot(results, path)
+    print(f"wrote {path}")
 
 
 def _plot(results, path):
@@ -201,4 +207,4 @@ def _plot(results, path):
 
 
 if __name__ == "__main__":
-  main()
+  harness.run(main)

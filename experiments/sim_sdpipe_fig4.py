@@ -20,14 +20,13 @@ links in a node (100 GB/s), HetPipe's parameter server on one node behind one
 rate over 200 minibatches per pipeline, mean of 3 seeds.
 
 Usage:
-  .venv/bin/python experiments/sim_sdpipe_fig4.py \
-      [--png docs/figures/sim_sdpipe_fig4.png]
+  .venv/bin/python experiments/sim_sdpipe_fig4.py [--out_dir=DIR] \
+      [--write_figures]
 """
-
-import argparse
 
 import numpy as np
 
+import harness
 import stalepipe as sp
 
 MODELS = {  # samples per minibatch, training FLOPs per minibatch, bytes
@@ -85,10 +84,8 @@ def run(model, stages, pipelines, setting):
   return out
 
 
-def main():
-  parser = argparse.ArgumentParser()
-  parser.add_argument("--png", default="docs/figures/sim_sdpipe_fig4.png")
-  args = parser.parse_args()
+def main(argv):
+  del argv
   results = {}
   for model in MODELS:
     print(f"\n### {model}: samples/s (mean observed staleness per replica, "
@@ -111,8 +108,15 @@ def main():
       b = results[(model, stages, pipelines, "B")]["SDPipe"][0]
       print(f"{model} {stages}x{pipelines}: SDPipe slowdown homo -> hete-B "
             f"{homo / b:.2f}x")
-  _plot(results, args.png)
-  print(f"wrote {args.png}")
+  harness.record("sim_sdpipe_fig4", {
+      f"{model} {stages}x{pipelines} {setting}": {
+          name: {"samples_per_second": rate, "staleness": stale}
+          for name, (rate, stale) in out.items()}
+      for (model, stages, pipelines, setting), out in results.items()})
+  path = harness.figure_path("sim_sdpipe_fig4.png")
+  if path:
+    _plot(results, path)
+    print(f"wrote {path}")
 
 
 def _plot(results, path):
@@ -140,4 +144,4 @@ def _plot(results, path):
 
 
 if __name__ == "__main__":
-  main()
+  harness.run(main)

@@ -12,13 +12,13 @@ Each point runs in its own process pinned to one core (`taskset -c
 --core`), and times `simulate` alone (the schedule is tiled first). With
 `--before=DIR` (a `git worktree` of another commit) every point is also run
 with that tree's `stalepipe`, the two sides interleaved repeat by repeat;
-the JSON holds every run and the medians. Figures go to `--png` only when
-it is given.
+the JSON (sim_speed.json in `--out_dir`) holds every run and the medians;
+the curve is drawn as sim_speed.png (`harness.figure_path`).
 
 Usage:
   git worktree add --detach /tmp/sim_before <commit>
   .venv/bin/python experiments/sim_speed.py --out_dir=/tmp/sim_speed \\
-      --before=/tmp/sim_before [--repeats=3] [--png=docs/figures/sim_speed.png]
+      --before=/tmp/sim_before [--repeats=3] [--write_figures]
 """
 
 import json
@@ -28,14 +28,12 @@ import subprocess
 import sys
 import time
 
-from absl import app
 from absl import flags
 
-_OUT_DIR = flags.DEFINE_string("out_dir", "/tmp/sim_speed",
-                               "Directory for sim_speed.json.")
+import harness
+
 _BEFORE = flags.DEFINE_string("before", None, "A worktree to time as "
                               "'before' (its stalepipe), interleaved.")
-_REPEATS = flags.DEFINE_integer("repeats", 3, "Runs per point of the table.")
 _CURVE_REPEATS = flags.DEFINE_integer("curve_repeats", 1,
                                       "Runs per point of the curve.")
 _MINIBATCHES = flags.DEFINE_integer("minibatches", 10_000,
@@ -48,9 +46,10 @@ _CURVE_PIPELINES = flags.DEFINE_list("curve_pipelines",
 _POLICIES = flags.DEFINE_list("policies", ["bsp", "wsp", "sdpipe", "ad_psgd",
                                            "local_sgd"], "Policies to time.")
 _CORE = flags.DEFINE_integer("core", 0, "The core every run is pinned to.")
-_PNG = flags.DEFINE_string("png", None, "Where to draw the curve, if given.")
 _MEASURE = flags.DEFINE_string("measure", None, "Internal: policy,pipelines,"
                                "minibatches to time in this process.")
+# Here --repeats is runs per point of the table, each in its own process.
+flags.FLAGS.set_default("repeats", 3)
 
 STAGES, MICRO = 4, 4
 TABLE_PIPELINES = 256
@@ -160,24 +159,21 @@ def main(argv):
   print(f"## table: {TABLE_PIPELINES * STAGES} workers x "
         f"{_MINIBATCHES.value} minibatches", flush=True)
   runs = sweep([(p, TABLE_PIPELINES, _MINIBATCHES.value)
-                for p in _POLICIES.value], _REPEATS.value, sides)
+                for p in _POLICIES.value], harness.REPEATS.value, sides)
   print("## curve", flush=True)
   runs += sweep([(p, int(n), _CURVE_MINIBATCHES.value)
                  for n in _CURVE_PIPELINES.value for p in _POLICIES.value],
                 _CURVE_REPEATS.value, sides)
   rows = medians(runs)
-  os.makedirs(_OUT_DIR.value, exist_ok=True)
-  path = os.path.join(_OUT_DIR.value, "sim_speed.json")
-  with open(path, "w") as f:
-    json.dump({"sides": sides, "core": _CORE.value,
-               "load_average_start": load, "load_average_end":
-               os.getloadavg(), "medians": rows, "runs": runs}, f, indent=1)
+  harness.record("sim_speed", {
+      "sides": sides, "core": _CORE.value, "load_average_start": load,
+      "load_average_end": os.getloadavg(), "medians": rows, "runs": runs})
   print(table(rows, _MINIBATCHES.value))
   print(table(rows, _CURVE_MINIBATCHES.value))
-  print(f"wrote {path}")
-  if _PNG.value:
-    _plot(rows, _PNG.value)
-    print(f"wrote {_PNG.value}")
+  path = harness.figure_path("sim_speed.png")
+  if path:
+    _plot(rows, path)
+    print(f"wrote {path}")
 
 
 def _plot(rows: list, path: str):
@@ -204,4 +200,4 @@ def _plot(rows: list, path: str):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  harness.run(main)

@@ -12,41 +12,41 @@ median time of
   pullback, the input cotangent dropped (what BW ran before the split);
 - B: the whole pullback, both gradients (a fused backward).
 
-Each task runs `repeats` times in a row, the tasks in turn, for `rounds`
+Each task runs `--repeats` times in a row, the tasks in turn, for `--rounds`
 rounds (calls of different programs interleaved one by one ran slower here
 for reasons unrelated to their work, e.g. the split BW 1.45 ms interleaved
 against 0.68 ms in a row); the time is the median over rounds of each
 block's median.
 
   PYTHONPATH=. .venv/bin/python experiments/split_backward_cost.py \
-      [--hidden 512] [--layers 2] [--batch 32] [--repeats 100] [--rounds 5]
+      [--hidden=512] [--layers=2] [--batch=32] [--repeats=100] [--rounds=5] \
+      [--out_dir=DIR]
 """
 
-import argparse
 import time
 
 import executor_common as common  # pylint: disable=g-bad-import-order
 
+from absl import flags
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+import harness
 from stalepipe.pipeline import split_backward as split_lib
 
+_ROUNDS = flags.DEFINE_integer(
+    "rounds", 5, "Rounds of every task; the median over rounds.")
+# Here --repeats is calls of a task in a row, of which the median.
+flags.FLAGS.set_default("repeats", 100)
 
-def main():
-  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--hidden", type=int, default=512)
-  parser.add_argument("--layers", type=int, default=2, help="per stage")
-  parser.add_argument("--batch", type=int, default=32)
-  parser.add_argument("--repeats", type=int, default=100,
-                      help="calls of a task in a row, of which the median")
-  parser.add_argument("--rounds", type=int, default=5,
-                      help="rounds of every task; the median over rounds")
-  args = parser.parse_args()
-  staged = common.make_model(4, args.hidden, args.layers)
+
+def main(argv):
+  del argv
+  hidden, batch = common.HIDDEN.value, common.BATCH.value
+  staged = common.make_model(4, hidden, common.LAYERS.value)
   fn, p = staged.stage_fns[1], staged.stage_params[1]
-  x = jax.random.normal(jax.random.key(0), (args.batch, args.hidden))
+  x = jax.random.normal(jax.random.key(0), (batch, hidden))
   cotangent = jnp.ones_like(x)
   split = split_lib.analyse(lambda p, x, t: fn(p, x), p, x, None)
   _, (pullback, kept) = split_lib.forward(split, p, x, None)
@@ -63,19 +63,23 @@ def main():
   compiled = {k: (jax.jit(f).lower(*a).compile(), a)
               for k, (f, a) in tasks.items()}
   times = {k: [] for k in compiled}
-  for _ in range(args.rounds):  # alternated blocks of repeats
+  for _ in range(_ROUNDS.value):  # alternated blocks of repeats
     for k, (c, a) in compiled.items():
       block = []
-      for _ in range(args.repeats):
+      for _ in range(harness.REPEATS.value):
         start = time.perf_counter()
         jax.block_until_ready(c(*a))
         block.append(time.perf_counter() - start)
       times[k].append(np.median(block))
   print(f"{'task':20s} {'MFLOPs':>8s} {'ms':>7s}")
+  results = {}
   for k, (c, _) in compiled.items():
-    flops = c.cost_analysis()["flops"]
-    print(f"{k:20s} {flops / 1e6:8.1f} {1e3 * np.median(times[k]):7.3f}")
+    results[k] = {"flops": float(c.cost_analysis()["flops"]),
+                  "median_s": harness.median(times[k])}
+    print(f"{k:20s} {results[k]['flops'] / 1e6:8.1f} "
+          f"{1e3 * results[k]['median_s']:7.3f}")
+  harness.record("split_backward_cost", results)
 
 
 if __name__ == "__main__":
-  main()
+  harness.run(main)

@@ -23,19 +23,17 @@ cotangents, kept residuals and a split backward's op cotangents, from the
 arrays) with the compiled temp memory, as a ratio to 1f1b's (Qi et al. claim
 1x for ZB-H1, 2x for ZB-H2).
 
-  .venv/bin/python experiments/zero_bubble.py [--repeats 15] \
-      [--json docs/figures/zero_bubble.json]
+  .venv/bin/python experiments/zero_bubble.py [--repeats=15] \
+      [--skip_lowerings] [--layout=packed] [--out_dir=DIR]
 """
-
-import argparse
-import json
 
 import executor_common as common  # pylint: disable=g-bad-import-order
 
+from absl import flags
 import jax
-import numpy as np
 import optax
 
+import harness
 import stalepipe as sp
 from stalepipe.models.losses import cross_entropy
 from stalepipe.pipeline import dispatch
@@ -47,6 +45,14 @@ from stalepipe.pipeline import trace_names
 S = 4
 SCHEDULES = ("1f1b", "zb-h1", "zb-h2")
 REMATS = ("recompute", "residuals")
+
+MINIBATCHES = flags.DEFINE_integer("minibatches", 2,
+                                   "Minibatches per executor window.")
+LAYOUT = flags.DEFINE_enum("layout", "packed", tuple(packing.LAYOUTS),
+                           "The executor's weight layout (packing.LAYOUTS).")
+_SKIP_LOWERINGS = flags.DEFINE_bool(
+    "skip_lowerings", False, "No rows for the other tick lowerings.")
+flags.FLAGS.set_default("repeats", 15)
 
 
 def closed_form_bubble(name: str, M: int, B: int) -> float:
@@ -71,8 +77,8 @@ class WholePullbackBW(executor.Pipeline):
 
   def _forwards(self, stage_inputs, target):
     last = len(self.stage_fns) - 1
-    return None, tuple(residuals_lib.vjp(fn, self.loss_fn, s == last)
-                       for s, fn in enumerate(self.stage_fns))
+    return None, tuple(residuals_lib.vjp(fn, self._loss_fn, s == last)
+                       for s, fn in enumerate(self._fns))
 
 
 def build(name, remat, lowering, staged, mesh, x, y, pipeline=None,
@@ -108,25 +114,13 @@ def build(name, remat, lowering, staged, mesh, x, y, pipeline=None,
   return (lambda: run(args)), (lambda: run(idle_args)), info
 
 
-def main():
-  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--hidden", type=int, default=512)
-  parser.add_argument("--layers", type=int, default=2, help="per stage")
-  parser.add_argument("--batch", type=int, default=32, help="per replica")
-  parser.add_argument("--micro", type=int, default=8)
-  parser.add_argument("--minibatches", type=int, default=2,
-                      help="per executor window")
-  parser.add_argument("--repeats", type=int, default=15)
-  parser.add_argument("--layout", default="packed",
-                      choices=tuple(packing.LAYOUTS),
-                      help="the executor's weight layout (packing.LAYOUTS)")
-  parser.add_argument("--skip_lowerings", action="store_true",
-                      help="no rows for the other tick lowerings")
-  parser.add_argument("--json", default=None, help="write results here")
-  args = parser.parse_args()
-  H, b, M, B = args.hidden, args.batch, args.micro, args.minibatches
+def main(argv):
+  del argv
+  H, b, M, B = (common.HIDDEN.value, common.BATCH.value, common.MICRO.value,
+                MINIBATCHES.value)
+  layout = LAYOUT.value
   mesh = jax.make_mesh((2, S), ("data", "stage"))
-  staged = common.make_model(S, H, args.layers)
+  staged = common.make_model(S, H, common.LAYERS.value)
   x, y = common.make_batch(B, M, 2 * b, H)
 
   runs, info = {}, {}
@@ -134,27 +128,26 @@ def main():
     for remat in REMATS:
       label = f"{name}, {remat}"
       runs[label], runs[f"{label}, idle table"], info[label] = build(
-          name, remat, "nested_switch", staged, mesh, x, y,
-          layout=args.layout)
+          name, remat, "nested_switch", staged, mesh, x, y, layout=layout)
   for name in ("zb-h1", "zb-h2"):
     label = f"{name}, residuals, whole-pullback BW"
     runs[label], _, info[label] = build(name, "residuals", "nested_switch",
                                         staged, mesh, x, y, WholePullbackBW,
-                                        args.layout)
+                                        layout)
   for lowering in dispatch.LOWERINGS:
-    if lowering != "nested_switch" and not args.skip_lowerings:
+    if lowering != "nested_switch" and not _SKIP_LOWERINGS.value:
       label = f"zb-h1, residuals, {lowering}"
       runs[label], _, info[label] = build("zb-h1", "residuals", lowering,
-                                          staged, mesh, x, y,
-                                          layout=args.layout)
+                                          staged, mesh, x, y, layout=layout)
 
   baseline = "baseline GPipe (MaxText style)"
   runs[baseline] = common.baseline_run(staged, mesh, x[0], y[0])
-  samples = common.interleaved_samples(runs, args.repeats)
-  median = {k: float(np.median(v)) for k, v in samples.items()}
+  samples = common.interleaved_samples(runs)
+  median = {k: harness.median(v) for k, v in samples.items()}
   per_minibatch = {k: v / (1 if k == baseline else B) for k, v in median.items()}
-  results = {"config": vars(args), "median_s": median, "info": info,
-             "rows": {}}
+  config = common.config("hidden", "layers", "batch", "micro", "minibatches",
+                         "repeats", "layout", "skip_lowerings")
+  results = {"config": config, "median_s": median, "info": info, "rows": {}}
   print(f"{'run':38s} {'ms/minibatch':>12s} {'x baseline':>10s} "
         f"{'idle tick':>9s} {'bubble':>13s} {'act. bytes':>10s}")
   act_1f1b = info["1f1b, recompute"]["activation_bytes"]
@@ -171,10 +164,8 @@ def main():
           f"{i['bubble']:.3f} ({i['closed_form_bubble']:.3f}) "
           f"{row['activation_over_1f1b']:9.2f}x")
   print(f"{baseline:38s} {1e3 * per_minibatch[baseline]:12.1f}       1.00")
-  if args.json:
-    with open(args.json, "w") as f:
-      json.dump(results, f, indent=1)
+  harness.record("zero_bubble", results)
 
 
 if __name__ == "__main__":
-  main()
+  harness.run(main)
