@@ -22,6 +22,9 @@ from ml_collections import config_flags
 
 _WORKDIR = flags.DEFINE_string(
     "workdir", None, "Output directory (default: a new one under runs/).")
+_FRESH = flags.DEFINE_bool(
+    "fresh", False, "Start the workdir afresh: an earlier run's results and "
+    "checkpoints are moved aside to <workdir>/previous-N/ first.")
 _COORDINATOR = flags.DEFINE_string(
     "coordinator_address", None, "HOST:PORT of process 0, for multi-host runs.")
 _NUM_PROCESSES = flags.DEFINE_integer(
@@ -42,7 +45,7 @@ def main(argv):
   from stalepipe.train import launcher  # pylint: disable=g-import-not-at-top
   launcher.main(_CONFIG.value, sys.argv, _WORKDIR.value, launcher.Distributed(
       _COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value,
-      _INIT_TIMEOUT.value, _HEARTBEAT_TIMEOUT.value))
+      _INIT_TIMEOUT.value, _HEARTBEAT_TIMEOUT.value), _FRESH.value)
 
 
 if __name__ == "__main__":

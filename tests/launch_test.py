@@ -166,8 +166,8 @@ def test_workdir_that_is_a_file_or_read_only_is_refused(tmp_path, scratch):
 def test_checkpoints_becoming_unwritable_ends_the_run_in_one_line(scratch):
   workdir = scratch / "run"
   proc = _launch_unprivileged(
-      "--config.num_steps=40000", "--config.checkpoint_every=2",
-      "--config.log_every=1", "--config.eval_every=0", workdir=workdir,
+      "--config.num_steps=40000", "--config.checkpoint_every=8",
+      "--config.log_every=4", "--config.eval_every=0", workdir=workdir,
       home=scratch)
   metrics = workdir / "metrics.jsonl"
   while not (metrics.exists() and metrics.stat().st_size):
@@ -185,7 +185,7 @@ def test_checkpoints_becoming_unwritable_ends_the_run_in_one_line(scratch):
 def test_disk_full_while_saving_is_one_line_and_the_rerun_resumes(tmp_path):
   def small_files():  # every file past 200 kB fails, as on a full disk
     resource.setrlimit(resource.RLIMIT_FSIZE, (200_000, 200_000))
-  result = _launch("--config.num_steps=800", "--config.checkpoint_every=2",
+  result = _launch("--config.num_steps=800", "--config.checkpoint_every=8",
                    "--config.eval_every=0", "--config.model_kwargs.hidden=64",
                    "--config.plots=False", workdir=tmp_path / "big",
                    preexec_fn=small_files)
@@ -193,13 +193,15 @@ def test_disk_full_while_saving_is_one_line_and_the_rerun_resumes(tmp_path):
   assert "saving checkpoints in" in line and "File too large" in line, line
   steps = [p.name for p in (tmp_path / "big" / "checkpoints").iterdir()
            if p.name.isdigit()]
-  rerun = _launch("--config.num_steps=800", "--config.checkpoint_every=2",
+  # Without a checkpoint to resume, the first run's records are kept aside.
+  rerun = _launch("--config.num_steps=800", "--config.checkpoint_every=8",
                   "--config.eval_every=0", "--config.model_kwargs.hidden=64",
-                  "--config.plots=False", workdir=tmp_path / "big")
+                  "--config.plots=False", *([] if steps else ["--fresh"]),
+                  workdir=tmp_path / "big")
   assert rerun.returncode == 0, rerun.stderr[-2000:]
   summary = json.loads((tmp_path / "big" / "summary.json").read_text())
   assert summary["resumed_from_step"] == (
-      max(map(int, steps)) * 4 if steps else None)
+      max(map(int, steps)) if steps else None)
 
 
 # Each the launcher's full start (JAX imported, the config checked): slow.
@@ -253,8 +255,8 @@ def test_issue_bad_values_are_one_line_and_touch_nothing(tmp_path, args,
 def test_nan_loss_exits_with_one_line_naming_the_step(tmp_path):
   result = _launch("--config.optimizer=sgd",
                    "--config.optimizer_kwargs.learning_rate=3",
-                   "--config.num_steps=400", "--config.checkpoint_every=1",
-                   "--config.log_every=100", workdir=tmp_path)
+                   "--config.num_steps=400", "--config.checkpoint_every=4",
+                   "--config.log_every=400", workdir=tmp_path)
   assert result.returncode != 0 and "Traceback" not in result.stderr
   last = result.stderr.strip().splitlines()[-1]
   assert last.startswith("launch.py: error: loss is ") and " at step " in last
@@ -266,7 +268,7 @@ def test_sigterm_stops_with_a_checkpoint_and_the_rerun_resumes(tmp_path):
   env = dict(os.environ)
   env.pop("XLA_FLAGS", None)
   args = [sys.executable, "launch.py", f"--workdir={tmp_path}",
-          "--config.num_steps=800", "--config.log_every=1",
+          "--config.num_steps=800", "--config.log_every=4",
           "--config.eval_every=0"]
   proc = subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                           stderr=subprocess.PIPE, text=True)

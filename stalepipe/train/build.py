@@ -18,6 +18,7 @@ Examples:
 
 import importlib
 import inspect
+import os
 from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
@@ -102,6 +103,28 @@ def _shards(config, mesh) -> tuple[list[input_pipeline.Shard], Any]:
   return shards, ds
 
 
+def _check_window(config, shards) -> None:
+  """A window's rows fit each shard and its arrays fit the host's memory:
+  arithmetic, so a window far too large is refused at once."""
+  c = config
+  need = c.minibatches_per_window * c.num_microbatches * c.microbatch_size
+  for shard in shards:
+    if need > len(shard.x):
+      raise ValueError(
+          f"minibatches_per_window x num_microbatches x microbatch_size = "
+          f"{c.minibatches_per_window} x {c.num_microbatches} x "
+          f"{c.microbatch_size} = {need} examples per window, but a data "
+          f"replica's shard has {len(shard.x)}; valid: at most {len(shard.x)}")
+    row_bytes = shard.x[0].nbytes + shard.y[0].nbytes
+    window_bytes = need * len(shards) * row_bytes
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if window_bytes > memory // 4:
+      raise ValueError(
+          f"a window's inputs take {window_bytes / 2**30:.1f} GiB, more than "
+          f"a quarter of this host's {memory / 2**30:.1f} GiB; valid: fewer "
+          "minibatches_per_window, num_microbatches or microbatch_size")
+
+
 def _sync(config, schedule: Schedule) -> sync_lib.SyncPolicy:
   kwargs = dict(config.sync_kwargs)
   if config.sync == "wsp":  # a wave is the schedule's N_m minibatches
@@ -150,6 +173,7 @@ def parts(config: ml_collections.ConfigDict) -> Parts:
   D, S = config.num_replicas, config.num_stages
   mesh = make_mesh(D, S)
   shards, ds = _shards(config, mesh)
+  _check_window(config, shards)  # before the schedule and the pipeline
   blocks = models.make(config.model, seed=config.seed, **config.model_kwargs,
                        **models.data_kwargs(config.model, ds.x_test[0],
                                             ds.num_classes))

@@ -12,12 +12,15 @@ a crash mid-save and no half-deleted step is ever taken for a checkpoint.
 
 What is restored is verified: each save records a checksum of every state
 leaf (computed on the devices, position-weighted, so one flipped byte
-changes it), and a restore recomputes it and checks the state finite. A
+changes it) and a SHA-256 of the position record itself, and a restore
+recomputes both and checks the state finite. A
 checkpoint that fails (unreadable, empty, flipped bytes, non-finite) is moved
 to `corrupt/<step>`, kept for inspection, and the next older one is tried;
 `Checkpointer.skipped` says which and why.
 """
 
+import hashlib
+import json
 import os
 import re
 import shutil
@@ -148,6 +151,8 @@ class Checkpointer:
     flat = _flat(state)
     position = dict(position, config=fingerprint(config_dict),
                     checksums=checksums(flat))
+    position["position_sha256"] = _position_sum(position)
+    self._empty_deleted()  # retired steps never pile up during a run
     try:
       self._manager.save(step, args=ocp.args.Composite(
           state=ocp.args.StandardSave(flat),
@@ -155,6 +160,7 @@ class Checkpointer:
     except Exception as e:  # orbax raises many types; all mean not saved
       raise CheckpointError(f"saving checkpoints in {self.directory} failed "
                             f"at step {step}: {_one_line(e)}") from e
+    self._empty_deleted()  # the step this save retired
 
   def restore(self, abstract_state: Any, config_dict: dict[str, Any]
               ) -> tuple[Any, dict[str, Any]] | None:
@@ -182,6 +188,10 @@ class Checkpointer:
             position=ocp.args.JsonRestore()))["position"]
       except Exception as e:  # orbax raises many types; all mean unreadable
         self._skip(step, f"corrupt: {_one_line(e)}")
+        continue
+      saved_sum = position.pop("position_sha256", None)
+      if saved_sum is not None and saved_sum != _position_sum(position):
+        self._skip(step, "position record checksum mismatch")
         continue
       saved, current = position.pop("config", {}), fingerprint(config_dict)
       changed = sorted(k for k in saved.keys() | current.keys()
@@ -251,6 +261,11 @@ class Checkpointer:
     except Exception as e:  # orbax raises many types; all mean not saved
       raise CheckpointError(f"saving checkpoints in {self.directory} "
                             f"failed: {_one_line(e)}") from e
+    self._empty_deleted()
+
+  def _empty_deleted(self) -> None:
+    """Removes the steps orbax has retired into `deleted/` (each was renamed
+    there whole after a newer step was finalised: never a checkpoint)."""
     if jax.process_index() == 0:
       shutil.rmtree(os.path.join(self.directory, "deleted"),
                     ignore_errors=True)
@@ -261,6 +276,13 @@ class Checkpointer:
       self._manager.close()
     except Exception:  # pylint: disable=broad-except
       pass  # the failure was reported by save or wait
+
+
+def _position_sum(position: dict[str, Any]) -> str:
+  """SHA-256 of the position record (the trainer's step, the config's
+  fingerprint, the state's checksums) as canonical JSON."""
+  text = json.dumps(position, sort_keys=True, separators=(",", ":"))
+  return hashlib.sha256(text.encode()).hexdigest()
 
 
 def _one_line(e: Exception) -> str:

@@ -94,6 +94,26 @@ def _others(process_id, num_processes) -> str:
   return f"one of processes {', '.join(others)}" if others else "a process"
 
 
+def _check_address(address: str) -> None:
+  """HOST:PORT with a port in 1..65535, before JAX tries to reach it."""
+  host, _, port = address.rpartition(":")
+  if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+    error(f"--coordinator_address={address} is invalid; valid: HOST:PORT "
+          "with a port in 1..65535, e.g. 10.0.0.1:12345")
+
+
+def _check_platform() -> None:
+  """The devices JAX finds; one line where the platform asked for has none."""
+  import jax  # pylint: disable=g-import-not-at-top
+  try:
+    jax.devices()
+  except RuntimeError as e:
+    asked = os.environ.get("JAX_PLATFORMS", "")
+    error(f"JAX_PLATFORMS={asked!r} is invalid here: "
+          f"{str(e).splitlines()[0][:200]}; valid: a platform this machine "
+          "has (cpu, cuda, ...), or unset")
+
+
 def initialize_distributed(d: Distributed) -> None:
   """Joins a multi-process run when the flags or the environment name one.
 
@@ -117,6 +137,8 @@ def initialize_distributed(d: Distributed) -> None:
   elif not 0 <= d.process_id < d.num_processes:
     error(f"--process_id={d.process_id} is invalid; valid: 0 to "
           f"{d.num_processes - 1}")
+  else:
+    _check_address(d.coordinator_address)
   # CPU processes talk over gloo; GPUs use NCCL whatever this says.
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
   if not flags.FLAGS["verbosity"].present:
@@ -154,8 +176,9 @@ def failure(e: BaseException) -> str:
   if isinstance(e, (ValueError, checkpoint.CheckpointError)):
     return str(e)
   if isinstance(e, OSError):
-    where = f" ({e.filename})" if e.filename else ""
-    return f"{e.strerror or e}{where}"
+    if e.filename:
+      return f"writing {e.filename} failed: {e.strerror or e}"
+    return f"{e.strerror or e}"
   if jax.process_count() > 1 and isinstance(e, jax.errors.JaxRuntimeError):
     me = jax.process_index()
     return (f"process {me} of {jax.process_count()} lost contact with "
@@ -182,7 +205,7 @@ def _report(summary: dict[str, Any], workdir: str) -> None:
 
 
 def main(config, argv: Sequence[str], workdir: str | None,
-         distributed: Distributed) -> None:
+         distributed: Distributed, fresh: bool = False) -> None:
   """Starts, checks, trains and reports one run (see the module)."""
   quiet_logs()
   if workdir == "":
@@ -191,10 +214,15 @@ def main(config, argv: Sequence[str], workdir: str | None,
   workdir = workdir or os.path.join(
       "runs", datetime.datetime.now().strftime("%Y%m%d-%H%M%S-%f"))
   initialize_distributed(distributed)
+  _check_platform()
   import jax  # pylint: disable=g-import-not-at-top
   from stalepipe.train import build  # pylint: disable=g-import-not-at-top
   from stalepipe.train import peers  # pylint: disable=g-import-not-at-top
   from stalepipe.train import trainer  # pylint: disable=g-import-not-at-top
+  differ = peers.same_config(config.to_json(sort_keys=True),
+                             distributed.init_timeout)
+  if differ:
+    error(differ)
   try:
     parts = build.parts(config)
   except ValueError as e:
@@ -206,7 +234,7 @@ def main(config, argv: Sequence[str], workdir: str | None,
           f"{jax.device_count()} {jax.devices()[0].platform.upper()} devices",
           flush=True)
   try:
-    summary = trainer.train(parts, workdir)
+    summary = trainer.train(parts, workdir, fresh=fresh)
   except BaseException as e:  # pylint: disable=broad-except
     error(failure(e))
   peers.done()

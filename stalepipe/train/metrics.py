@@ -30,6 +30,46 @@ import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
 from stalepipe.schedules import render  # pylint: disable=g-import-not-at-top
 
 
+class _TensorBoard:
+  """TensorBoard scalars written in the caller's thread.
+
+  tensorboardX's `SummaryWriter` writes from a thread of its own: when a
+  write fails (a full disk) that thread dies and the next writes block
+  forever on its queue. Here a failed write raises `OSError` where the run
+  can report it. On resume, `purge_step` hides the events logged after the
+  checkpoint, as `SummaryWriter(purge_step=)` does.
+  """
+
+  def __init__(self, logdir: str, purge_step: int | None):
+    # pylint: disable=g-import-not-at-top
+    from tensorboardX import event_file_writer
+    from tensorboardX import summary
+    from tensorboardX.proto import event_pb2
+    # pylint: enable=g-import-not-at-top
+    os.makedirs(logdir, exist_ok=True)
+    self._logdir, self._event_pb2, self._summary = logdir, event_pb2, summary
+    self._events = event_file_writer.EventsWriter(
+        os.path.join(logdir, "events"))
+    if purge_step is not None:
+      self._events.write_event(event_pb2.Event(
+          step=purge_step, session_log=event_pb2.SessionLog(
+              status=event_pb2.SessionLog.START)))
+    self._events.flush()
+
+  def add_scalars(self, step: int, metrics: dict[str, float]) -> None:
+    try:
+      for key, value in metrics.items():
+        self._events.write_event(self._event_pb2.Event(
+            wall_time=time.time(), step=step,
+            summary=self._summary.scalar(key, value)))
+      self._events.flush()
+    except OSError as e:  # name the file (a full disk, say)
+      raise OSError(e.errno, e.strerror, self._logdir) from e
+
+  def close(self) -> None:
+    self._events.close()
+
+
 class Writer:
   """Writes scalars to `metrics.jsonl` and TensorBoard under `workdir`.
 
@@ -47,20 +87,23 @@ class Writer:
     self.records: list[dict[str, Any]] = []
     if not enabled:
       return
-    import tensorboardX  # pylint: disable=g-import-not-at-top
     path = os.path.join(workdir, "metrics.jsonl")
     if resume_step is not None and os.path.exists(path):
       with open(path) as f:
         self.records = [r for r in map(json.loads, filter(str.strip, f))
                         if r["step"] < resume_step or
                         (r["step"] == resume_step and "test_loss" not in r)]
-    self._jsonl = open(path, "w")
-    for record in self.records:
-      self._jsonl.write(json.dumps(record) + "\n")
-    # On resume, TensorBoard drops the events logged after the checkpoint too.
-    self._tb = tensorboardX.SummaryWriter(
-        os.path.join(workdir, "tb"),
-        purge_step=None if resume_step is None else resume_step + 1)
+    # The kept records replace the file whole (a kill leaves the old file or
+    # the new one), then new ones are appended and flushed one by one.
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+      f.writelines(json.dumps(record) + "\n" for record in self.records)
+      f.flush()
+      os.fsync(f.fileno())
+    os.replace(tmp, path)
+    self._jsonl = open(path, "a")
+    self._tb = _TensorBoard(os.path.join(workdir, "tb"),
+                            None if resume_step is None else resume_step + 1)
 
   def write(self, step: int, metrics: dict[str, float]) -> None:
     """Appends `{"step": step, **metrics}` to the JSONL and TensorBoard."""
@@ -68,15 +111,22 @@ class Writer:
       return
     record = {"step": step, **metrics}
     self.records.append(record)
-    self._jsonl.write(json.dumps(record) + "\n")
-    self._jsonl.flush()
-    for key, value in metrics.items():
-      self._tb.add_scalar(key, value, step)
+    try:
+      self._jsonl.write(json.dumps(record) + "\n")
+      self._jsonl.flush()
+    except OSError as e:  # name the file (a full disk, say)
+      raise OSError(e.errno, e.strerror, self._jsonl.name) from e
+    self._tb.add_scalars(step, metrics)
 
   def close(self) -> None:
+    """Closes both files; a failure here (the disk that failed a write) is
+    the write's to report, so it is not raised again over it."""
     if self.enabled:
-      self._jsonl.close()
-      self._tb.close()
+      for f in (self._jsonl, self._tb):
+        try:
+          f.close()
+        except OSError:
+          pass
 
 
 class Progress:

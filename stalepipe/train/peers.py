@@ -75,6 +75,44 @@ def watch(heartbeat_timeout: float, on_lost: Callable[[str], None],
   _threads[-1].start()
 
 
+def same_config(config_json: str, timeout: float) -> str | None:
+  """None where every process runs this config; else one line naming the
+  fields that differ from another process's. Nothing to check on one process.
+
+  Each process publishes its resolved config (JSON) in JAX's distributed
+  key-value store and reads every other's, so each refuses on its own.
+
+  Args:
+    config_json: this process's config, `config.to_json(sort_keys=True)`.
+    timeout: seconds to wait for the others'.
+  """
+  if jax.process_count() == 1:
+    return None
+  import json  # pylint: disable=g-import-not-at-top
+  me, client = jax.process_index(), _client()
+  client.key_value_set(f"{_PREFIX}/config/{me}", config_json,
+                       allow_overwrite=True)
+  mine, line = json.loads(config_json), None
+  for p in range(jax.process_count()):
+    if p == me:
+      continue
+    theirs = json.loads(client.blocking_key_value_get(
+        f"{_PREFIX}/config/{p}", int(timeout * 1000)))
+    differ = sorted(k for k in mine.keys() | theirs.keys()
+                    if mine.get(k) != theirs.get(k))
+    if differ and line is None:
+      shown = ", ".join(f"{k}={mine.get(k)!r} (process {p}: "
+                        f"{theirs.get(k)!r})" for k in differ[:3])
+      line = (f"process {me} of {jax.process_count()} runs another config "
+              f"than process {p}: {shown}{' ...' if len(differ) > 3 else ''}"
+              "; valid: the same --config and --config.* flags on every "
+              "process")
+  # No process leaves (and takes the coordinator with it) before all have
+  # read all the configs.
+  client.wait_at_barrier("stalepipe_config_checked", int(timeout * 1000))
+  return line
+
+
 def _try_get(client, key: str) -> str | None:
   try:
     return client.key_value_try_get(key)

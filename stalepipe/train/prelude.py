@@ -14,13 +14,21 @@ the CPU device count is set before JAX reads it.
 
 import importlib.util
 import os
+import signal
 import sys
 from typing import Any, Callable, Sequence
 
 from absl import flags
+from absl import logging
 
-DEFAULT_CONFIG = "configs/default.py"
+# What terminals, cluster schedulers and users send to stop a job.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
 _HERE = os.path.dirname(os.path.abspath(__file__))
+# configs/default.py of this checkout, relative to where the launcher runs.
+DEFAULT_CONFIG = os.path.relpath(
+    os.path.join(os.path.dirname(os.path.dirname(_HERE)), "configs",
+                 "default.py"))
 
 
 def error(message: Any, code: int = 1):
@@ -82,6 +90,10 @@ def before_jax(argv: Sequence[str], cpu_devices: int = 8) -> None:
   the launcher's one line says what happened.
   """
   _supervise(argv)
+  for signum in STOP_SIGNALS:  # the trainer catches them once it trains
+    signal.signal(signum, _stopped_before_training)
+  if not any(a.startswith(("--verbosity", "-v=")) for a in argv):
+    logging.set_verbosity(logging.ERROR)  # config_flags' warnings: one line
   flag = f"--xla_force_host_platform_device_count={cpu_devices}"
   if "xla_force_host_platform_device_count" not in os.environ.get(
       "XLA_FLAGS", ""):
@@ -91,6 +103,12 @@ def before_jax(argv: Sequence[str], cpu_devices: int = 8) -> None:
   if (multi or cluster_environment()) and not any(
       a.startswith(("--verbosity", "-v=")) for a in argv):
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+
+def _stopped_before_training(signum, frame) -> None:
+  del frame
+  error(f"stopped by {signal.Signals(signum).name} before training started; "
+        "nothing was saved")
 
 
 def config_arg(argv: Sequence[str]) -> tuple[str, str | None]:

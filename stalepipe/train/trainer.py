@@ -43,8 +43,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   return train(build.parts(config), workdir, hooks)
 
 
-def train(parts: build.Parts, workdir: str,
-          hooks: Sequence[Any] = ()) -> dict[str, Any]:
+def train(parts: build.Parts, workdir: str, hooks: Sequence[Any] = (),
+          fresh: bool = False) -> dict[str, Any]:
   """Trains `parts` in `workdir`, resuming from its latest checkpoint.
 
   A workdir whose run already ended at `config.num_steps` (its summary and
@@ -56,6 +56,8 @@ def train(parts: build.Parts, workdir: str,
     workdir: where the run writes; held locked while it runs.
     hooks: more hooks (`stalepipe.train.loop`), run after the trainer's own
       and the config's (`config.hooks`).
+    fresh: start afresh: whatever an earlier run left in `workdir` is moved
+      to `<workdir>/previous-N/` first (nothing is deleted).
 
   Returns:
     The summary: final evaluation, steps (minibatches), training throughput
@@ -63,12 +65,16 @@ def train(parts: build.Parts, workdir: str,
     name) if a signal stopped the run.
 
   Raises:
-    ValueError: on a workdir another run holds, no checkpoint that verifies,
+    ValueError: on a workdir another run holds, one that holds a run's
+      results but no checkpoint to resume (unless `fresh`), no checkpoint
+      that verifies,
       a foreign checkpoint, `num_steps` below the checkpoint's step, or a
       NaN/inf loss (naming the step).
     checkpoint_lib.CheckpointError: if a checkpoint cannot be written.
   """
   with workdir_lib.lock(workdir), preemption_lib.Preemption() as preemption:
+    if fresh and jax.process_index() == 0:
+      workdir_lib.move_aside(workdir)
     return _train(parts, workdir, preemption, hooks)
 
 
@@ -92,6 +98,7 @@ def _restore(parts: build.Parts, ckpt, config_dict, console) -> tuple[Any, int]:
   for line in ckpt.skipped:
     console.print(f"skipped checkpoint {line}")
   if restored is None:
+    workdir_lib.check_no_results(os.path.dirname(ckpt.directory))
     return parts.pipeline.init(parts.staged.stage_params), 0
   state, position = restored
   # Checkpoints name their step; those of older runs named their window.

@@ -44,8 +44,9 @@ _NON_NEGATIVE = (lambda v: _is_number(v) and v >= 0, "a number >= 0")
 _FRACTION = (lambda v: _is_number(v) and 0 <= v < 1, "a number in [0, 1)")
 _BOOL = (lambda v: isinstance(v, bool), "True or False")
 
+_SEED = (lambda v: _is_int(v) and 0 <= v < 2**32, "an integer in [0, 2**32)")
 TOP_LEVEL = {
-    "seed": _NATURAL_INT,
+    "seed": _SEED,
     "num_stages": _POSITIVE_INT,
     "num_replicas": _POSITIVE_INT,
     "num_microbatches": _POSITIVE_INT,
@@ -278,8 +279,21 @@ def _check_optimizer_parts(config) -> None:
                 TRANSFORM_KWARGS)
 
 
+def _check_sizes(node, prefix: str = "") -> None:
+  """Every integer fits int64 (a larger one overflows on its way to C)."""
+  items = (node.items() if hasattr(node, "items") else
+           enumerate(node) if isinstance(node, (list, tuple)) else ())
+  for key, value in items:
+    name = f"{prefix}.{key}" if prefix and hasattr(node, "items") else (
+        f"{prefix}[{key}]" if prefix else str(key))
+    if _is_int(value) and not -2**63 <= value < 2**63:
+      _fail(name, value, "an integer that fits 64 bits")
+    _check_sizes(value, name)
+
+
 def check(config) -> None:
   """Raises `ValueError`, one line, at the first invalid field of `config`."""
+  _check_sizes(config)
   _check_top_level(config)
   _check_data(config)
   _check_model(config)

@@ -1,4 +1,6 @@
-"""One run per workdir: an exclusive lock held for the run's lifetime.
+"""One run per workdir, and a run's results never overwritten.
+
+A run holds an exclusive lock on its workdir for its lifetime.
 
 `lock(workdir)` takes `fcntl.flock` on `<workdir>/lock`. The kernel drops it
 when the process ends, however it ends, so a SIGKILLed run leaves no stale
@@ -25,6 +27,10 @@ from typing import Iterator
 
 import jax
 
+# What a run leaves in its workdir (besides `lock`).
+RESULTS = ("metrics.jsonl", "summary.json", "params.npz", "config.json",
+           "checkpoints", "tb", "loss.png", "schedule.png")
+
 
 @contextlib.contextmanager
 def lock(workdir: str) -> Iterator[None]:
@@ -49,3 +55,34 @@ def lock(workdir: str) -> Iterator[None]:
     yield
   finally:
     os.close(fd)  # releases the lock
+
+
+def check_no_results(workdir: str) -> None:
+  """Refuses a fresh start over an earlier run's results (one line).
+
+  Called when there is no checkpoint to resume: the files there belong to a
+  run that cannot be continued, and a fresh start would overwrite them.
+  """
+  found = [name for name in ("metrics.jsonl", "summary.json", "params.npz")
+           if os.path.exists(os.path.join(workdir, name))]
+  if found:
+    raise ValueError(
+        f"--workdir={workdir} holds a run's results ({', '.join(found)}) but "
+        "no checkpoint to resume; valid: a new --workdir, or --fresh to move "
+        "them to previous-N/ there and start afresh")
+
+
+def move_aside(workdir: str) -> str | None:
+  """Moves an earlier run's files into `<workdir>/previous-N/` (N = 1, 2,
+  ...); returns that directory, or None when there was nothing to move."""
+  found = [n for n in RESULTS if os.path.exists(os.path.join(workdir, n))]
+  if not found:
+    return None
+  n = 1
+  while os.path.exists(os.path.join(workdir, f"previous-{n}")):
+    n += 1
+  aside = os.path.join(workdir, f"previous-{n}")
+  os.makedirs(aside)
+  for name in found:
+    os.rename(os.path.join(workdir, name), os.path.join(aside, name))
+  return aside
