@@ -10,6 +10,9 @@ calls `factory(parts, workdir, **kwargs)` once, before the first window:
 
 or from Python, `trainer.train_and_evaluate(config, workdir,
 hooks=[StageNorms(parts, workdir, every=40)])`.
+
+A hook that records a figure the run's `summary.json` lacks writes it to
+`<workdir>/figures.json`, which `experiments/summarize.py` reads beside it.
 """
 
 import json
@@ -39,3 +42,46 @@ class StageNorms:
     if jax.process_index() == 0:
       with open(self._path, "a") as f:
         f.write(json.dumps({"step": run.step, "norms": norms}) + "\n")
+
+
+class LearnsItsData:
+  """Writes what says a model learnt its data to `<workdir>/figures.json`.
+
+  `first_loss` and `last_loss` are the mean training loss of the first
+  `first` and the last `last` steps; `num_params` counts the model's
+  weights; the references an untrained model sits at are the majority
+  class's test accuracy (`majority_accuracy`) and, for a language model,
+  the unigram entropy of the training labels in bits (`unigram_bits`).
+  Losses are read every window (`every` = minibatches per window).
+  """
+
+  def __init__(self, parts, workdir: str, first: int = 10, last: int = 20):
+    self.every = parts.steps_per_window
+    self._first, self._last = first, last
+    self._path = os.path.join(workdir, "figures.json")
+    self._losses = []  # each window's mean training loss
+    y_test = parts.test[1]
+    y_train = np.concatenate([shard.y for shard in parts.shards])
+    self._figures = {
+        "num_params": sum(int(np.size(x)) for x in jax.tree.leaves(
+            parts.staged.stage_params)),
+        "majority_accuracy": float(np.bincount(y_test.ravel()).max()
+                                   / y_test.size)}
+    if y_train.ndim > 1:  # next-token labels
+      p = np.bincount(y_train.ravel()) / y_train.size
+      p = p[p > 0]
+      self._figures["unigram_bits"] = float(-(p * np.log2(p)).sum())
+
+  def __call__(self, run) -> None:
+    self._losses.append(float(run.metrics["loss"]))
+
+  def end(self, run) -> None:
+    del run
+    first = -(-self._first // self.every)  # windows, rounded up
+    last = -(-self._last // self.every)
+    figures = dict(self._figures,
+                   first_loss=float(np.mean(self._losses[:first])),
+                   last_loss=float(np.mean(self._losses[-last:])))
+    if jax.process_index() == 0:
+      with open(self._path, "w") as f:
+        json.dump(figures, f, indent=2)

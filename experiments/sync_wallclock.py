@@ -26,9 +26,16 @@ stage's replicas talk over Ethernet as in the paper's 4 x 4 run across two
 PipeDream-Flush 1F1B (§5.1); WSP runs the `hetpipe` schedule with N_m = 4
 concurrent minibatches and a parameter server behind one Ethernet link.
 
-Usage (about a minute on 2 CPU cores; results in docs/sync.md):
-  .venv/bin/python experiments/sync_wallclock.py \
-      [--png docs/figures/sync_wallclock.png]
+It stays a script, not configs run by launch.py: a run's sync policy is
+built from a simulation of the same run (SDPipe's ready times, AD-PSGD's
+pairs, WSP's wave delays), and its x-axis is the simulated time, so the
+numerics depend on a trace no config field can name.
+
+Usage (about a minute on 2 CPU cores; results in docs/sync.md; the table as
+`<out_dir>/sync_wallclock.json`, the figure `sync_wallclock.png` beside it or,
+with --write_figures, in docs/figures/):
+  .venv/bin/python experiments/sync_wallclock.py [--minibatches=256] \
+      [--out_dir=DIR] [--write_figures]
 """
 
 import os
@@ -37,13 +44,14 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
-import argparse
 import time
 
+from absl import flags
 import jax
 import numpy as np
 import optax
 
+import harness
 import stalepipe as sp
 from stalepipe.models.losses import cross_entropy
 from stalepipe.pipeline import executor
@@ -62,6 +70,11 @@ SETTINGS = {"homogeneous": (), "hete-A": (sp.sim.hete("A"),),
 POLICIES = ("BSP", "WSP D=0", "WSP D=4", "WSP D=32", "SDPipe", "AD-PSGD")
 ETHERNET = sp.sim.Link(10e9 / 8, 50e-6)
 NVLINK = sp.sim.Link(100e9, 5e-6)
+LEAST_MINIBATCHES = 4 * CONCURRENT + 8  # the tiled schedules' pattern
+
+_MINIBATCHES = flags.DEFINE_integer(
+    "minibatches", MINIBATCHES, "Minibatches per pipeline.",
+    lower_bound=LEAST_MINIBATCHES)
 
 
 class Replayed(sp.sync.SyncPolicy):
@@ -111,7 +124,7 @@ def schedules(minibatches: int) -> dict:
     window = sp.schedules.make(name, num_stages=STAGES, num_microbatches=MICRO,
                                num_minibatches=WINDOW, **kw)
     short = sp.schedules.make(name, num_stages=STAGES, num_microbatches=MICRO,
-                              num_minibatches=4 * CONCURRENT + 8, **kw)
+                              num_minibatches=LEAST_MINIBATCHES, **kw)
     out[name] = (window, sp.sim.tile(short, minibatches))
   return out
 
@@ -256,17 +269,10 @@ def smooth(losses: np.ndarray) -> np.ndarray:
   return np.convolve(padded, kernel, mode="valid")
 
 
-def main():
-  parser = argparse.ArgumentParser()
-  parser.add_argument("--png", default="docs/figures/sync_wallclock.png")
-  parser.add_argument("--minibatches", type=int, default=MINIBATCHES)
-  args = parser.parse_args()
-  least = 4 * CONCURRENT + 8  # the tiled schedules' pattern
-  if args.minibatches < least:
-    raise ValueError(f"--minibatches={args.minibatches} is invalid; it must "
-                     f"be >= {least}")
+def main(argv):
+  del argv
   started = time.time()
-  num_windows = args.minibatches // WINDOW
+  num_windows = _MINIBATCHES.value // WINDOW
   cluster, costs = time_side()
   scheds = schedules(num_windows * WINDOW)
   iteration = sp.sim.simulate(scheds["1f1b"][1], cluster,
@@ -298,10 +304,12 @@ def main():
       runs[(setting, policy_name)] = dict(
           time=ends, loss=losses, acc=acc,
           staleness=float(result.staleness.mean() / PIPELINES), extra=extra)
-  _table(runs)
-  _plot(runs, args.png)
-  print(f"\nwrote {args.png}; {len(pipes)} compiled pipelines; "
-        f"{time.time() - started:.0f} s in all")
+  harness.record("sync_wallclock", _table(runs))
+  png = harness.figure_path("sync_wallclock.png")
+  if png:
+    _plot(runs, png)
+  print(f"\n{len(pipes)} compiled pipelines; {time.time() - started:.0f} s "
+        "in all")
 
 
 def _first_window_at_target(run) -> int | None:
@@ -314,7 +322,9 @@ def _time_to_target(run) -> float:
   return float("nan") if k is None else float(run["time"][k])
 
 
-def _table(runs):
+def _table(runs) -> list[dict]:
+  """Prints the markdown table and returns its rows."""
+  rows = []
   print(f"\n| setting | policy | simulated time, all minibatches (s) "
         f"| minibatches to loss <= {TARGET_LOSS} | time to it (s) | vs BSP | "
         "final loss | test accuracy | observed staleness / N | trace |")
@@ -330,6 +340,14 @@ def _table(runs):
             f"{steps} | {hit:.1f} | {bsp / hit:.2f}x | "
             f"{smooth(run['loss'])[-1]:.3f} | {run['acc']:.3f} | "
             f"{run['staleness']:.2f} | {run['extra']} |")
+      rows.append({"setting": setting, "policy": policy_name,
+                   "time_all": float(run["time"][-1]),
+                   "minibatches_to_target": None if k is None else steps,
+                   "time_to_target": hit, "speedup_vs_bsp": bsp / hit,
+                   "final_loss": float(smooth(run["loss"])[-1]),
+                   "test_accuracy": run["acc"],
+                   "staleness_per_n": run["staleness"]})
+  return rows
 
 
 _STYLE = {"BSP": dict(color="C0", lw=2.5), "WSP D=0": dict(color="C1"),
@@ -359,4 +377,4 @@ def _plot(runs, path):
 
 
 if __name__ == "__main__":
-  main()
+  harness.run(main)

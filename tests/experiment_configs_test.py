@@ -1,0 +1,52 @@
+"""Every row of every experiment config (configs/experiments/) builds."""
+
+import pathlib
+import re
+import runpy
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from stalepipe.train import build  # pylint: disable=g-import-not-at-top
+
+ROWS = {
+    "sapipe_table2.py": [f"rule={r}" for r in
+                         ("sync", "pipesgd", "dc", "wp1", "wp2", "wp3")],
+    "zero_bubble_convergence.py": [
+        f"row={r}" for r in ("zb_h1", "zb_async", "zb_async_dc", "pipedream")],
+    "staleness_convergence.py": [
+        f"rule={r},lr=0.15" for r in ("sync", "pipesgd", "dc_diagonal", "dc",
+                                      "wp1", "wp2", "wp3", "nesterov")],
+    "small_models.py": [f"variant={v}" for v in (
+        "mlp_synthetic", "vgg_digits", "resnet_digits", "transformer_chars")],
+}
+
+
+def test_every_experiment_config_is_listed():
+  assert sorted(p.name for p in (ROOT / "configs" / "experiments").glob(
+      "*.py")) == sorted(ROWS)
+
+
+@pytest.mark.parametrize("filename", sorted(ROWS))
+def test_docstring_holds_the_commands_of_every_row(filename):
+  module = runpy.run_path(str(ROOT / "configs" / "experiments" / filename))
+  doc = module["__doc__"]
+  assert f"--config=configs/experiments/{filename}:" in doc
+  assert "experiments/summarize.py --runs=" in doc
+  text = (ROOT / "configs" / "experiments" / filename).read_text()
+  assert re.search(r"from configs import \w+", text)
+  assert len(text.splitlines()) < 40
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("filename,arg", [
+    (f, a) for f, args in sorted(ROWS.items()) for a in args])
+def test_row_builds(filename, arg):
+  get_config = runpy.run_path(
+      str(ROOT / "configs" / "experiments" / filename))["get_config"]
+  config = get_config(f"{arg},seed=1")
+  assert config.seed == 1
+  build.parts(config)
