@@ -291,7 +291,7 @@ def test_nan_loss_stops_naming_the_step_and_keeps_last_good(tmp_path):
   with pytest.raises(ValueError, match=r"loss is (nan|inf) at step \d+; run "
                      r"stopped, last good checkpoint: ") as e:
     trainer.train_and_evaluate(config, str(tmp_path))
-  bad_step = int(str(e.value).split(" at step ")[1].split()[0])
+  bad_step = int(str(e.value).split(" at step ")[1].split(";")[0])
   last = int(str(e.value).rsplit("/", 1)[1])
   assert last < bad_step  # checkpoints are named by step
   # The kept checkpoint restores, with finite weights.

@@ -232,7 +232,7 @@ ISSUE_CASES = [
       ", {'lam': -1.0}),)"], "delay_compensation.lam=-1.0 is invalid"),
     (["--config.eval_every=-1"], "eval_every=-1 is invalid"),
     (["--config.checkpoint_every=-1"], "checkpoint_every=-1 is invalid"),
-    (["--config.seed=-1"], "seed=-1 is invalid; valid: an integer >= 0"),
+    (["--config.seed=-1"], "seed=-1 is invalid; valid: an integer in [0, 2**32)"),
     (["--config.minibatches_per_window=0"],
      "minibatches_per_window=0 is invalid"),
     (["--config.schedule_kwargs.foo=1"],

@@ -68,7 +68,7 @@ BAD = [
     ({"eval_every": -1}, "eval_every=-1 is invalid; valid: an integer >= 0"),
     ({"checkpoint_every": -1},
      "checkpoint_every=-1 is invalid; valid: an integer >= 0"),
-    ({"seed": -1}, "seed=-1 is invalid; valid: an integer >= 0"),
+    ({"seed": -1}, "seed=-1 is invalid; valid: an integer in [0, 2**32)"),
     ({"minibatches_per_window": 0},
      "minibatches_per_window=0 is invalid; valid: an integer >= 1"),
     ({"schedule_kwargs": ml_collections.ConfigDict({"foo": 1})},

@@ -78,6 +78,13 @@ def train(parts: build.Parts, workdir: str, hooks: Sequence[Any] = (),
     return _train(parts, workdir, preemption, hooks)
 
 
+def _write_atomically(path: str, text: str) -> None:
+  """Writes `text` to a temporary file and renames it to `path`."""
+  with open(path + ".tmp", "w") as f:
+    f.write(text)
+  os.replace(path + ".tmp", path)
+
+
 def _finished_summary(workdir: str, num_steps: int) -> dict[str, Any] | None:
   """The summary of a run in `workdir` that already ended at `num_steps`."""
   try:
@@ -130,9 +137,9 @@ def _train(parts: build.Parts, workdir: str,
                                                        num_steps // B):
       return dict(finished, already_finished=True)
     state, first = _restore(parts, ckpt, config_dict, console)
-    if is_writer:
-      with open(os.path.join(workdir, "config.json"), "w") as f:
-        f.write(config.to_json(indent=2))
+    if is_writer:  # whole or not at all, as every file the run writes
+      _write_atomically(os.path.join(workdir, "config.json"),
+                        config.to_json(indent=2))
     writer = metrics_lib.Writer(workdir, is_writer,
                                 resume_step=first if first else None)
     hooks, throughput, evaluation = _hooks(parts, workdir, ckpt, writer,
@@ -244,8 +251,10 @@ def _summary(parts, workdir, end, first, ckpt, writer, throughput,
   params = pipe.params(end.state)  # collective: every process takes part
   if jax.process_index() == 0:
     flat = jax.tree_util.tree_flatten_with_path(params)[0]
-    np.savez(os.path.join(workdir, "params.npz"),
-             **{jax.tree_util.keystr(k): np.asarray(v) for k, v in flat})
+    path = os.path.join(workdir, "params.npz")
+    with open(path + ".tmp", "wb") as f:
+      np.savez(f, **{jax.tree_util.keystr(k): np.asarray(v) for k, v in flat})
+    os.replace(path + ".tmp", path)
     if config.plots:
       title = f"{config.schedule} / {config.model} / {config.dataset}"
       metrics_lib.plot_losses(writer.records,
@@ -255,10 +264,8 @@ def _summary(parts, workdir, end, first, ckpt, writer, throughput,
           f"{config.schedule}: S={config.num_stages}, "
           f"M={config.num_microbatches}, B={parts.steps_per_window}")
     # Written last and atomically: its presence means the run is complete.
-    tmp = os.path.join(workdir, "summary.json.tmp")
-    with open(tmp, "w") as f:
-      json.dump(summary, f, indent=2)
-    os.replace(tmp, os.path.join(workdir, "summary.json"))
+    _write_atomically(os.path.join(workdir, "summary.json"),
+                      json.dumps(summary, indent=2))
   if preemption.signum is not None:
     summary["signal_after_training"] = preemption.signal_name
   return summary
