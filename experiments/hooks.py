@@ -45,7 +45,7 @@ class StageNorms:
 
 
 class LearnsItsData:
-  """Writes what says a model learnt its data to `<workdir>/figures.json`.
+  """Writes the figures that show a model learns its data to `figures.json`.
 
   `first_loss` and `last_loss` are the mean training loss of the first
   `first` and the last `last` steps; `num_params` counts the model's

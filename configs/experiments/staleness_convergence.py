@@ -2,7 +2,8 @@ r"""Staleness compensation on digits: one update rule, step size and seed.
 
 configs/sapipe.py's data-parallel setting (the gradient applied one step
 late) on 4 replicas x batch 32, a 64-128-128-10 MLP, SGD momentum 0.9,
-300 steps. Rules: configs/sapipe.py's sync, pipesgd, dc (full), wp1-wp3,
+300 steps; the seed draws the weights and the minibatch order on one fixed
+split. Rules: configs/sapipe.py's sync, pipesgd, dc (full), wp1-wp3,
 plus dc_diagonal and nesterov (stale gradients into the asynchronous
 Nesterov update, at lr x 0.02 as it is Adam-like).
   mkdir -p runs/staleness_convergence
@@ -28,7 +29,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   arg = common.parse_arg(arg, rule="wp3", lr=0.05, seed=0)
   config = sapipe.get_config(f"rule={'sync' if arg.rule in RULES else arg.rule}")
   config.transforms = RULES.get(arg.rule, config.transforms)
-  config.seed = config.dataset_kwargs.seed = arg.seed
+  config.seed = arg.seed
   config.update(num_replicas=4, microbatch_size=32, weight_decay=0.0,
                 num_steps=300, eval_every=0, checkpoint_every=0, plots=False)
   config.model_kwargs.num_hidden_layers = 2
