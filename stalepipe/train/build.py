@@ -57,6 +57,12 @@ class Parts(NamedTuple):
     return self.config.minibatches_per_window
 
   @property
+  def examples_per_step(self) -> int:
+    """M * D * b: the examples of one minibatch over all data replicas."""
+    c = self.config
+    return c.num_microbatches * c.num_replicas * c.microbatch_size
+
+  @property
   def window_shape(self) -> tuple[int, ...]:
     """[B, M, D, b]: the leading dimensions of a window's inputs."""
     c = self.config

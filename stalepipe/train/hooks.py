@@ -84,9 +84,9 @@ class Log:
   and the console: the training loss when a minibatch finished in the
   window, the step metrics, staleness, memory."""
 
-  def __init__(self, every: int, num_steps: int, writer, console,
+  def __init__(self, every: int, writer, console,
                extra: Callable[[loop.Run], dict[str, float]]):
-    self.every, self._num_steps = every, num_steps
+    self.every = every
     self._writer, self._console, self._extra = writer, console, extra
     self._logged = None
 
@@ -175,23 +175,24 @@ class Throughput:
       self._start = (run.step, time.perf_counter(), self._timer.seconds)
       self._on_start(run.step)
 
+  def _training_seconds(self) -> float:
+    """Seconds since the first window ended, less those not training."""
+    _, start, not_training = self._start
+    return (time.perf_counter() - start
+            - (self._timer.seconds - not_training))
+
   def end(self, run: loop.Run) -> None:
     if self._start is None or run.step == self._start[0]:
       return
     jax.block_until_ready(run.state)
-    step, start, not_training = self._start
-    self.seconds = (time.perf_counter() - start
-                    - (self._timer.seconds - not_training))
-    self.steps_per_s = (run.step - step) / max(self.seconds, 1e-9)
+    self.seconds = self._training_seconds()
+    self.steps_per_s = (run.step - self._start[0]) / max(self.seconds, 1e-9)
 
   def rate(self, step: int) -> float | None:
     """Steps per second up to `step` (None before the second window)."""
     if self._start is None or step <= self._start[0]:
       return None
-    first, start, not_training = self._start
-    seconds = (time.perf_counter() - start
-               - (self._timer.seconds - not_training))
-    return (step - first) / max(seconds, 1e-9)
+    return (step - self._start[0]) / max(self._training_seconds(), 1e-9)
 
 
 class Profile:

@@ -142,7 +142,7 @@ def _train(parts: build.Parts, workdir: str,
                         config.to_json(indent=2))
     writer = metrics_lib.Writer(workdir, is_writer,
                                 resume_step=first if first else None)
-    hooks, throughput, evaluation = _hooks(parts, workdir, ckpt, writer,
+    hooks, throughput, evaluation = _hooks(parts, config_dict, ckpt, writer,
                                            console, preemption)
     configured = [factory(parts, workdir, **kwargs)
                   for factory, kwargs in parts.hooks]
@@ -165,16 +165,14 @@ def _train(parts: build.Parts, workdir: str,
         writer.close()
 
 
-def _hooks(parts, workdir, ckpt, writer, console, preemption):
-  """The trainer's own hooks, in the order they run after a window."""
+def _hooks(parts, config_dict, ckpt, writer, console, preemption):
+  """The trainer's own hooks, in the order they run after a window; the
+  throughput and evaluation hooks again, which the summary reads."""
   config, pipe, B = parts.config, parts.pipeline, parts.steps_per_window
-  config_dict = json.loads(config.to_json())
   model_fn = jax.jit(models.unpipelined(parts.staged))
   # [replicas, minibatches]: what each forward missed, sync policy included.
   observed = sync_lib.ObservedStaleness(parts.schedule, pipe.sync,
                                         config.num_steps)
-  examples_per_step = (config.num_microbatches * config.num_replicas
-                       * config.microbatch_size)
 
   def last_checkpoint() -> str:
     ckpt.wait()
@@ -197,7 +195,7 @@ def _hooks(parts, workdir, ckpt, writer, console, preemption):
             "staleness_max": float(seen.max()),
             **({} if rate is None else {
                 "steps_per_s": rate,
-                "examples_per_s": rate * examples_per_step}),
+                "examples_per_s": rate * parts.examples_per_step}),
             "state_bytes": metrics_lib.tree_bytes(run.state),
             **metrics_lib.memory_bytes()}
 
@@ -208,18 +206,18 @@ def _hooks(parts, workdir, ckpt, writer, console, preemption):
   timer = loop.Timer()
   throughput = hooks_lib.Throughput(B, timer, on_start=console.start)
   nan_stop = hooks_lib.NanStop(B, last_checkpoint)
+  evaluation = hooks_lib.Evaluate(config.eval_every, config.num_steps,
+                                  evaluate, writer, console)
   hooks = [
       throughput,
       nan_stop,
-      hooks_lib.Log(config.log_every, config.num_steps, writer, console,
-                    extra),
-      loop.Timed(hooks_lib.Evaluate(config.eval_every, config.num_steps,
-                                    evaluate, writer, console), timer),
+      hooks_lib.Log(config.log_every, writer, console, extra),
+      loop.Timed(evaluation, timer),
       loop.Timed(hooks_lib.Checkpoint(config.checkpoint_every, save,
                                       ckpt.latest_step), timer),
       hooks_lib.Preempt(B, preemption, save),
   ]
-  return hooks, throughput, hooks[3].hook
+  return hooks, throughput, evaluation
 
 
 def _summary(parts, workdir, end, first, ckpt, writer, throughput,
@@ -232,8 +230,6 @@ def _summary(parts, workdir, end, first, ckpt, writer, throughput,
   if rate is None:  # nothing left to train: the last logged figure
     rates = [r["steps_per_s"] for r in writer.records if "steps_per_s" in r]
     rate = rates[-1] if rates else 0.0
-  examples_per_step = (config.num_microbatches * config.num_replicas
-                       * config.microbatch_size)
   summary = {
       "test_loss": test_loss, "test_accuracy": accuracy,
       "final_training_loss": losses_seen[-1] if losses_seen else None,
@@ -241,7 +237,7 @@ def _summary(parts, workdir, end, first, ckpt, writer, throughput,
       "skipped_checkpoints": ckpt.skipped,
       # Training only: from the end of the first (compiling) window to the
       # last, without evaluation and checkpoints.
-      "steps_per_s": rate, "examples_per_s": rate * examples_per_step,
+      "steps_per_s": rate, "examples_per_s": rate * parts.examples_per_step,
       "seconds": throughput.seconds,
       "bubble": parts.schedule.bubble_fraction,
       "state_bytes": metrics_lib.tree_bytes(end.state),
