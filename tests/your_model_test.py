@@ -92,7 +92,7 @@ def test_asynchronous_schedule_equals_oracle_per_stage():
   _close(got, want, ATOL)
 
 
-def test_cut_refuses_lost_and_tied_parameters_and_batchnorm():
+def test_cut_refuses_lost_and_tied_parameters_and_uncarried_state():
   model, _ = EXAMPLE["build"](S)
   example = jax.ShapeDtypeStruct((2, 8), jnp.int32)
   first, last = EXAMPLE["first"], EXAMPLE["last"]
@@ -104,9 +104,20 @@ def test_cut_refuses_lost_and_tied_parameters_and_batchnorm():
   with pytest.raises(ValueError, match="'pos' is read by stages 0 and 2"):
     sp.models.cut(model, [first, EXAMPLE["middle"](1), tied_last], example)
 
+  class Cached(nnx.Module):
+    def __init__(self):
+      self.lin = nnx.Linear(4, 4, rngs=nnx.Rngs(0))
+      self.c = nnx.Cache(jnp.zeros(4))
+  with pytest.raises(ValueError, match="Cache 'c' is state the pipelines do "
+                     "not carry"):
+    sp.models.cut(Cached(), [lambda m, x: m.lin(x)],
+                  jax.ShapeDtypeStruct((2, 4), jnp.float32))
+
   class Normed(nnx.Module):
     def __init__(self):
-      self.bn = nnx.BatchNorm(4, rngs=nnx.Rngs(0))
-  with pytest.raises(ValueError, match="BatchStat 'bn.mean'"):
-    sp.models.cut(Normed(), [lambda m, x: m.bn(x)],
+      self.bn = nnx.BatchNorm(4, use_bias=False, use_scale=False,
+                              rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="statistic 'bn.mean' is read by stages "
+                     "0 and 1"):
+    sp.models.cut(Normed(), [lambda m, x: m.bn(x), lambda m, x: m.bn(x)],
                   jax.ShapeDtypeStruct((2, 4), jnp.float32))

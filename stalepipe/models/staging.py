@@ -3,7 +3,9 @@
 A stalepipe model is a list of blocks, each an `nnx.Module` mapping one array
 to the next. `split` cuts the list at block boundaries into stage functions
 `f_s(params_s, x) -> x` over plain-dict parameters, the form every executor
-takes. Blocks must hold no mutable state besides `nnx.Param` (no BatchNorm).
+takes; its blocks must hold no mutable state besides `nnx.Param`. `cut`
+cuts a whole module at code the user names, BatchNorm statistics included,
+and `merge` writes a pipeline's weights and statistics back.
 """
 
 import inspect
@@ -25,6 +27,8 @@ class Staged(NamedTuple):
   stage_fns: tuple[StageFn, ...]  # f_s(params_s, x) -> x
   stage_params: tuple[object, ...]  # params_s: a tuple of per-block dicts
   boundaries: tuple[int, ...]  # index of the first block of each stage
+  stage_states: tuple | None = None  # `cut`: per stage its statistics (None
+  #   for a stage without); None where no stage has any
 
 
 def even_boundaries(num_blocks: int, num_stages: int) -> tuple[int, ...]:
@@ -100,16 +104,58 @@ def _path_name(path) -> str:
 
 
 def _refuse_state(module: nnx.Module) -> None:
-  """Refuses mutable non-parameter state (BatchNorm statistics, counters):
-  a stage's forward would have to update it, which the executors do not."""
+  """Refuses state other than parameters, BatchNorm-style statistics and
+  RNG state (a decoding cache, sown intermediates): no executor carries
+  it."""
   for path, value in nnx.iter_graph(module):
     if isinstance(value, nnx.Variable) and not isinstance(
-        value, (nnx.Param, nnx.RngState)):
+        value, (nnx.Param, nnx.BatchStat, nnx.RngState)):
       raise ValueError(
-          f"{type(value).__name__} {'.'.join(map(str, path))!r} is "
-          "non-parameter state a stage's forward would update, which the "
-          "pipelines do not carry; valid: a model whose only state is "
-          "nnx.Param (e.g. LayerNorm instead of BatchNorm)")
+          f"{type(value).__name__} {'.'.join(map(str, path))!r} is state the "
+          "pipelines do not carry; valid: nnx.Param, nnx.BatchStat (carried "
+          "per stage) and RNG state")
+
+
+def _flat(state) -> dict:
+  """`{"path.to.leaf": array}` of an nnx.State."""
+  return {_path_name(path): leaf for path, leaf in
+          jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(state))[0]}
+
+
+def _filled(state, flat: dict, given: dict):
+  """`state` with `given` leaves, every other one a broadcast zero (never
+  read: a stage reads only its own)."""
+  values = [given[n] if n in given else jnp.broadcast_to(
+      jnp.zeros((), v.dtype), v.shape) for n, v in flat.items()]
+  pure = jax.tree.unflatten(jax.tree.structure(nnx.to_pure_dict(state)),
+                            values)
+  full = jax.tree.map(lambda a: a, state)
+  nnx.replace_by_pure_dict(full, pure)
+  return full
+
+
+def _owned(jaxpr, num_params: int, num_stats: int) -> tuple[list, list]:
+  """From the jaxpr of `(param leaves, stat leaves, x) -> (y, new stats)`:
+  which parameters it reads, and which statistics it reads or writes (a
+  statistic passed through unchanged is neither)."""
+  stat_in = jaxpr.invars[num_params:num_params + num_stats]
+  stat_out = jaxpr.outvars[len(jaxpr.outvars) - num_stats:]
+  written = [o is not i for i, o in zip(stat_in, stat_out)]
+  kept = jaxpr.outvars[:len(jaxpr.outvars) - num_stats] + [
+      o for o, w in zip(stat_out, written) if w]
+  read = split_backward.read_inputs(jaxpr.replace(outvars=kept))
+  return (read[:num_params],
+          [r or w for r, w in zip(read[num_params:num_params + num_stats],
+                                  written)])
+
+
+def _claim(owned: list, mine: list, s: int, what: str) -> None:
+  for n in mine:
+    other = next((t for t, o in enumerate(owned) if n in o), None)
+    if other is not None:
+      raise ValueError(f"{what} {n!r} is read by stages {other} and {s}; "
+                       f"valid: each {what} in one stage (untie shared ones)")
+  owned.append(mine)
 
 
 def cut(module: nnx.Module, stages: Sequence[Callable], example) -> Staged:
@@ -120,22 +166,28 @@ def cut(module: nnx.Module, stages: Sequence[Callable], example) -> Staged:
   `train` (`stalepipe.pipeline.stage`). Each stage's parameters are the
   module's `nnx.Param`s its function reads, found by tracing it on
   `example` (stage 0's input for one micro-batch) and the previous stages'
-  outputs. Like torch's `pipelining.pipeline(module, split_spec)`, but the
-  cut is named by code rather than by a graph pass.
+  outputs. Its state is the `nnx.BatchStat`s its training forward reads or
+  updates (a BatchNorm's running statistics): the stage function then takes
+  `state` and returns its update (`stage.Output`), which the executors
+  carry per stage. Like torch's `pipelining.pipeline(module, split_spec)`,
+  but the cut is named by code rather than by a graph pass.
 
   Args:
-    module: the model; its only state must be `nnx.Param` (and RNG state).
+    module: the model; its state may be `nnx.Param`, `nnx.BatchStat` and
+      RNG state.
     stages: S functions `(model, x, ...) -> y`.
     example: stage 0's input (arrays or `jax.ShapeDtypeStruct`s).
 
   Returns:
     The stages: `stage_params[s]` a flat dict `{"path.to.param": array}` of
-    the parameters stage s reads; `merge(module, stage_params)` writes them
-    back.
+    the parameters stage s reads, `stage_states[s]` that of its statistics
+    (None for a stage without); `merge(module, stage_params, stage_states)`
+    writes them back.
 
   Raises:
     ValueError: in one line, for a parameter no stage reads (it would be
-      lost), one read by two stages (tied weights), or non-parameter state.
+      lost), a parameter or statistic read by two stages (tied), or state
+      no executor carries.
 
   Examples:
     >>> from flax import nnx
@@ -149,86 +201,109 @@ def cut(module: nnx.Module, stages: Sequence[Callable], example) -> Staged:
     [['a.bias', 'a.kernel'], ['b.bias', 'b.kernel']]
   """
   _refuse_state(module)
-  graphdef, params, rest = nnx.split(module, nnx.Param, ...)
-  flat = {_path_name(path): leaf for path, leaf in
-          jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(params))[0]}
-  names = list(flat)
+  graphdef, params, stats, rest = nnx.split(module, nnx.Param, nnx.BatchStat,
+                                            ...)
+  flat, flat_stats = _flat(params), _flat(stats)
+  names, stat_names = list(flat), list(flat_stats)
 
-  def rebuild(given: dict):
-    """The module with `given` parameters, every other one a broadcast zero
-    (never read: the stage reads only its own)."""
-    values = [given[n] if n in given else jnp.broadcast_to(
-        jnp.zeros((), flat[n].dtype), flat[n].shape) for n in names]
-    state = jax.tree.unflatten(jax.tree.structure(nnx.to_pure_dict(params)),
-                               values)
-    full = jax.tree.map(lambda a: a, params)
-    nnx.replace_by_pure_dict(full, state)
-    return nnx.merge(graphdef, full, rest)
+  def rebuild(given: dict, given_stats: dict):
+    """The module with `given` parameters and statistics."""
+    return nnx.merge(graphdef, _filled(params, flat, given),
+                     _filled(stats, flat_stats, given_stats), rest)
 
-  fns, owned, x = [], [], example
+  fns, owned, owned_stats, x = [], [], [], example
   for s, stage in enumerate(stages):
     asked = stage_lib.wants(stage)
 
-    def read(values, x, stage=stage, asked=asked):
+    def read(values, stat_values, x, stage=stage, asked=asked):
       kwargs = {}
       if "key" in asked:
         kwargs["key"] = jax.random.key(0)
       if "train" in asked:
         kwargs["train"] = True
-      return stage(rebuild(dict(zip(names, values))), x, **kwargs)
+      model = rebuild(dict(zip(names, values)),
+                      dict(zip(stat_names, stat_values)))
+      y = stage(model, x, **kwargs)
+      new = _flat(nnx.state(model, nnx.BatchStat))
+      return y, [new[n] for n in stat_names]
 
-    jaxpr = jax.make_jaxpr(read)([flat[n] for n in names], x)
-    used = split_backward.read_inputs(jaxpr.jaxpr)[:len(names)]
-    mine = [n for n, u in zip(names, used) if u]
-    for n in mine:
-      other = next((t for t, o in enumerate(owned) if n in o), None)
-      if other is not None:
-        raise ValueError(f"parameter {n!r} is read by stages {other} and {s}; "
-                         "valid: each parameter in one stage (untie shared "
-                         "weights)")
-    owned.append(mine)
-    x = jax.eval_shape(read, [flat[n] for n in names], x)
-    fns.append(_module_stage(stage, rebuild))
+    args = ([flat[n] for n in names], [flat_stats[n] for n in stat_names], x)
+    jaxpr = jax.make_jaxpr(read)(*args)
+    used, used_stats = _owned(jaxpr.jaxpr, len(names), len(stat_names))
+    _claim(owned, [n for n, u in zip(names, used) if u], s, "parameter")
+    _claim(owned_stats, [n for n, u in zip(stat_names, used_stats) if u], s,
+           "statistic")
+    x = jax.eval_shape(read, *args)[0]
+    fns.append(_module_stage(stage, rebuild, owned_stats[-1]))
   lost = [n for n in names if not any(n in o for o in owned)]
   if lost:
     raise ValueError(f"parameters {lost} are read by no stage and would be "
                      "lost; valid: stage functions that together read every "
                      "parameter")
-  return Staged(stage_fns=tuple(fns),
-                stage_params=tuple({n: flat[n] for n in o} for o in owned),
-                boundaries=tuple(range(len(stages))))
+  return Staged(
+      stage_fns=tuple(fns),
+      stage_params=tuple({n: flat[n] for n in o} for o in owned),
+      boundaries=tuple(range(len(stages))),
+      stage_states=(tuple({n: flat_stats[n] for n in o} if o else None
+                          for o in owned_stats)
+                    if any(owned_stats) else None))
 
 
-def _module_stage(stage: Callable, rebuild: Callable) -> Callable:
+def _module_stage(stage: Callable, rebuild: Callable,
+                  stats: Sequence[str]) -> Callable:
   """`stage(model, x, ...)` as a function of its own flat parameters,
-  declaring the `key` and `train` arguments `stage` declares."""
+  declaring the `key` and `train` arguments `stage` declares, and `state`
+  (its statistics, returned updated in `stage.Output`) where it has any."""
   def fn(p, x, **kwargs):
-    return stage(rebuild(p), x, **kwargs)
+    state = kwargs.pop("state", {})
+    model = rebuild(p, state)
+    out = stage(model, x, **kwargs)
+    if not stats:
+      return out
+    new = _flat(nnx.state(model, nnx.BatchStat))
+    out = out if isinstance(out, stage_lib.Output) else stage_lib.Output(out)
+    return out._replace(state={n: new[n] for n in stats})
 
   positional = inspect.Parameter.POSITIONAL_OR_KEYWORD
+  asked = set(stage_lib.wants(stage)) | ({"state"} if stats else set())
   fn.__signature__ = inspect.Signature(
       [inspect.Parameter("p", positional), inspect.Parameter("x", positional)]
       + [inspect.Parameter(a, inspect.Parameter.KEYWORD_ONLY)
-         for a in sorted(stage_lib.wants(stage))])
+         for a in sorted(asked)])
   return fn
 
 
-def merge(module: nnx.Module, stage_params: Sequence[dict]) -> nnx.Module:
-  """Writes a pipeline's trained stage parameters (`cut`'s flat dicts, e.g.
-  `pipe.params(state)`) back into `module` (`nnx.update`), for evaluation,
-  export or a checkpoint in the user's own format; returns it."""
-  _, params, _ = nnx.split(module, nnx.Param, ...)
-  flat_paths = jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(params))
+def _write_back(module: nnx.Module, kind, stage_trees: Sequence,
+                what: str) -> None:
+  """Writes flat stage dicts of `kind` variables into `module`."""
+  state = nnx.state(module, kind)
+  flat = _flat(state)
   given = {}
-  for p in stage_params:
-    given.update(p)
-  names = [_path_name(path) for path, _ in flat_paths[0]]
-  missing = [n for n in names if n not in given]
-  if missing or len(given) != len(names):
-    raise ValueError(f"stage parameters do not cover the module's "
-                     f"(missing {missing[:3]}, {len(given)} given for "
-                     f"{len(names)}); valid: the stage_params of cut(module)")
-  pure = jax.tree.unflatten(flat_paths[1], [given[n] for n in names])
-  nnx.replace_by_pure_dict(params, pure)
-  nnx.update(module, params)
+  for p in stage_trees:
+    given.update(p or {})
+  missing = [n for n in flat if n not in given]
+  if missing or len(given) != len(flat):
+    raise ValueError(f"stage {what} do not cover the module's (missing "
+                     f"{missing[:3]}, {len(given)} given for {len(flat)}); "
+                     f"valid: the stage_{what} of cut(module)")
+  pure = jax.tree.unflatten(jax.tree.structure(nnx.to_pure_dict(state)),
+                            [given[n] for n in flat])
+  nnx.replace_by_pure_dict(state, pure)
+  nnx.update(module, state)
+
+
+def merge(module: nnx.Module, stage_params: Sequence[dict],
+          stage_states: Sequence[dict | None] | None = None) -> nnx.Module:
+  """Writes a pipeline's trained stage parameters (`cut`'s flat dicts, e.g.
+  `pipe.params(state)`) and, where given, the stages' statistics
+  (`pipe.stage_states(state)`) back into `module` (`nnx.update`), for
+  evaluation, export or a checkpoint in the user's own format; returns it.
+  Statistics no stage holds keep their values."""
+  _write_back(module, nnx.Param, stage_params, "params")
+  if stage_states is not None:
+    flat = _flat(nnx.state(module, nnx.BatchStat))
+    given = {n: v for t in stage_states for n, v in (t or {}).items()}
+    _write_back(module, nnx.BatchStat,
+                [{**{n: v for n, v in flat.items() if n not in given},
+                  **given}], "states")
   return module

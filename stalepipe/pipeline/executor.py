@@ -69,7 +69,8 @@ def state_specs(state: PipelineState) -> PipelineState:
       ring=per_device(state.ring), opt_state=per_device(state.opt_state),
       grads=per_device(state.grads), buffers=per_device(state.buffers),
       history=jax.tree.map(lambda _: _WINDOW, state.history),
-      sync=per_device(state.sync), step=P())
+      sync=per_device(state.sync), step=P(),
+      stage_state=per_device(state.stage_state))
 
 
 def run_window(ctx: tick_lib.Stages, state: PipelineState, inputs, targets,
@@ -77,8 +78,9 @@ def run_window(ctx: tick_lib.Stages, state: PipelineState, inputs, targets,
   """The shard_map body: one window's ticks on one device.
 
   Returns:
-    The new state (this device's blocks), the window's mean loss and the
-    number of losses it took.
+    The new state (this device's blocks) and the window's metrics: its mean
+    loss, the number of losses it took, and the stages' metrics, each its
+    mean over those micro-batches.
   """
   H, B = ctx.program.history, ctx.window_minibatches
   C, K = ctx.program.num_slots, ctx.program.tables.kind.shape[0]
@@ -94,15 +96,18 @@ def run_window(ctx: tick_lib.Stages, state: PipelineState, inputs, targets,
       ring=local(state.ring), opt_state=local(state.opt_state),
       grads=local(state.grads), grads_spent=jnp.zeros((), bool),
       buffers=local(state.buffers), sync=local(state.sync),
-      loss_sum=jnp.zeros((), jnp.float32), num_losses=jnp.zeros((), jnp.int32))
+      loss_sum=jnp.zeros((), jnp.float32), num_losses=jnp.zeros((), jnp.int32),
+      metric_sums=tick_lib.zero_objective(ctx)[1],
+      stage_state=local(state.stage_state))
   table = jax.tree.map(
       lambda c: jax.lax.dynamic_index_in_dim(c, jnp.minimum(step, K - 1),
                                              keepdims=False), tables)
   carry, _ = jax.lax.scan(functools.partial(tick_lib.tick, ctx, window),
                           carry, table)
   num_losses = jax.lax.psum(carry.num_losses, STAGE)
-  loss = jax.lax.pmean(jax.lax.psum(carry.loss_sum, STAGE), DATA) / jnp.where(
-      num_losses > 0, num_losses, jnp.nan)
+  mean = lambda total: jax.lax.pmean(jax.lax.psum(  # pylint: disable=unnecessary-lambda-assignment
+      total, STAGE), DATA) / jnp.where(num_losses > 0, num_losses, jnp.nan)
+  loss, metrics = mean(carry.loss_sum), jax.tree.map(mean, carry.metric_sums)
   keep = lambda tree: None if H == 0 else jax.tree.map(  # pylint: disable=unnecessary-lambda-assignment
       lambda x: x[x.shape[0] - H * B:], tree)
   new = PipelineState(
@@ -110,8 +115,9 @@ def run_window(ctx: tick_lib.Stages, state: PipelineState, inputs, targets,
       grads=unlocal(tick_lib.accumulated(carry)),
       buffers=unlocal(carry.buffers),
       history=InputHistory(keep(window.inputs), keep(window.targets)),
-      sync=unlocal(carry.sync), step=step + 1)
-  return new, loss, num_losses
+      sync=unlocal(carry.sync), step=step + 1,
+      stage_state=unlocal(carry.stage_state))
+  return new, {"loss": loss, "num_losses": num_losses, **metrics}
 
 
 def throughput(inputs, targets, seconds: float) -> dict[str, float]:
@@ -231,9 +237,7 @@ class Pipeline:
     self.layout = packing.get(layout)
     self.stage_fns = tuple(stage_fns)
     self.seed = seed
-    self._fns = tuple(stage_lib.bind(f, train=True, first=s == 0)
-                      for s, f in enumerate(stage_fns))
-    self._wants_key = tuple("key" in stage_lib.wants(f) for f in stage_fns)
+    self._fns, self._state_fns, self._wants = stage_lib.bind_all(stage_fns)
     self.loss_fn = loss_fn
     self._loss_fn = stage_lib.bind_loss(loss_fn)
     self.schedule = schedule
@@ -243,7 +247,7 @@ class Pipeline:
     self.lowering = dispatch.get(lowering)
     self.program = program_lib.compile_program(schedule)
     self._stale_schedule = contract.schedule_is_stale(schedule)
-    self._param_packing = self._opt_packing = None
+    self._param_packing = self._opt_packing = self._state_packing = None
     self._steps = {}
     self._tables = self._static_plan = None
 
@@ -282,12 +286,18 @@ class Pipeline:
         lambda v: self._put(np.broadcast_to(np.asarray(v), (self.num_replicas,)
                                             + np.shape(v)), _PER_DEVICE), tree)
 
-  def init(self, stage_params: Sequence[Any]) -> PipelineState:
-    """Packs S stage pytrees (and their optimizer states) onto the mesh."""
+  def init(self, stage_params: Sequence[Any],
+           stage_states: Sequence[Any] | None = None) -> PipelineState:
+    """Packs S stage pytrees (and their optimizer states) onto the mesh, with
+    the stages' initial non-parameter states where they take one
+    (`stage.py`; None for a stage without)."""
     if len(stage_params) != len(self.stage_fns):
       raise ValueError(f"{len(stage_params)} stage parameter trees do not fit "
                        f"{len(self.stage_fns)} stages; valid: "
                        f"{len(self.stage_fns)}")
+    states = stage_lib.initial_states(self._wants, stage_states)
+    self._state_packing = (None if states is None
+                           else packing.Packing(states))
     opt_states = scope_lib.init_states(self.optimizer, self.optimizer_scope,
                                        stage_params)
     self._param_packing = self.layout(stage_params)
@@ -305,7 +315,9 @@ class Pipeline:
         grads=self._per_device(jax.tree.map(jnp.zeros_like, params)),
         buffers=None, history=None,
         sync=self._per_device(jax.vmap(self.sync.init_state)(params)),
-        step=self._put(np.zeros((), np.int32), P()))
+        step=self._put(np.zeros((), np.int32), P()),
+        stage_state=None if states is None else self._per_device(
+            self._state_packing.pack_all(states)))
 
   def params(self, state: PipelineState, replica: int = 0) -> tuple[Any, ...]:
     """The latest weights of the S stages held by data replica `replica`."""
@@ -316,6 +328,16 @@ class Pipeline:
     flat = {k: self._fetch(v)[replica][np.arange(len(slots)), slots]
             for k, v in state.ring.params.items()}
     return self._param_packing.unpack_all(flat)
+
+  def stage_states(self, state: PipelineState,
+                   replica: int = 0) -> tuple[Any, ...] | None:
+    """The S stages' non-parameter states on data replica `replica` (None
+    for a stage without; None if no stage has one)."""
+    if state.stage_state is None:
+      return None
+    flat = {k: self._fetch(v)[replica] for k, v in state.stage_state.items()}
+    return stage_lib.given_states(self._wants,
+                                  self._state_packing.unpack_all(flat))
 
   def abstract_state(self, stage_params: Sequence[Any], inputs,
                      targets) -> PipelineState:
@@ -449,9 +471,9 @@ class Pipeline:
         (v.shape, v.dtype) for v in jax.tree.leaves((inputs, targets)))
     if key not in self._steps:
       self._steps[key] = self._build_evaluate(inputs, targets)
-    loss, outputs = self._steps[key](state, inputs, targets)
+    metrics, outputs = self._steps[key](state, inputs, targets)
     B, M = self.schedule.num_minibatches, self.schedule.num_microbatches
-    return {"loss": loss, "outputs": jax.tree.map(
+    return {**metrics, "outputs": jax.tree.map(
         lambda o: o.reshape((B, M) + o.shape[1:]), outputs)}
 
   def _build_evaluate(self, inputs, targets) -> Callable:
@@ -465,10 +487,15 @@ class Pipeline:
       out = jax.eval_shape(fns[s], params,
                            self._bound_input(s, stage_inputs[-1]))
       stage_inputs.append(out)
+    target = jax.tree.map(micro, targets)
+    objective = jax.eval_shape(
+        lambda y, t: forward_only.objective(self.loss_fn, y, t),
+        stage_inputs[-1], target)
     ctx = forward_only.Forward(
         fns=fns, loss_fn=self.loss_fn, params=self._param_packing,
         boundaries=boundary_lib.analyse(stage_inputs[:-1]),
-        output=stage_inputs[-1][0], wants_key=self._wants_key,
+        output=stage_inputs[-1][0], wants=self._wants,
+        states=self._state_packing, objective=objective,
         seed=self.seed, num_microbatches=self.schedule.num_microbatches)
 
     @jax.jit
@@ -478,7 +505,8 @@ class Pipeline:
           in_specs=(state_specs(state),
                     jax.tree.map(lambda _: _WINDOW, inputs),
                     jax.tree.map(lambda _: _WINDOW, targets)),
-          out_specs=(P(), jax.tree.map(lambda _: P(None, DATA), ctx.output)),
+          out_specs=(jax.tree.map(lambda _: P(), ctx.objective[1]) | {
+              "loss": P()}, jax.tree.map(lambda _: P(None, DATA), ctx.output)),
           check_vma=False)(state, inputs, targets)
 
     return evaluate_fn
@@ -516,13 +544,20 @@ class Pipeline:
           self._fns[s], params, self._bound_input(s, stage_inputs[-1])))
     bound_inputs = [self._bound_input(s, x) for s, x in enumerate(stage_inputs)]
     target = micro(targets)
+    for s, fn in enumerate(self._state_fns):
+      if fn is not None:
+        stage_lib.check_state(self._fns[s], fn, self._param_packing.trees[s],
+                              bound_inputs[s], s)
+    objective = jax.eval_shape(
+        lambda p, x, t: self._loss_fn(self._fns[-1](p, x), t),
+        self._param_packing.trees[-1], bound_inputs[-1], target)
     split, forwards = self._forwards(bound_inputs, target)
     layout = None
     if self.remat == "residuals":
       layout = residuals_lib.analyse(forwards, self._param_packing.trees,
                                      bound_inputs, target)
     return tick_lib.Stages(
-        fns=self._fns, loss_fn=self._loss_fn, params=self._param_packing,
+        fns=self._fns, state_fns=self._state_fns, loss_fn=self._loss_fn, params=self._param_packing,
         opt=self._opt_packing, optimizer=self.optimizer, sync=self.sync,
         program=self.program,
         boundaries=boundary_lib.analyse(stage_inputs),
@@ -530,12 +565,17 @@ class Pipeline:
         window_minibatches=self.schedule.num_minibatches,
         lowering=self.lowering, residuals=layout, forwards=forwards,
         split=split, stale_schedule=self._stale_schedule,
-        wants_key=self._wants_key, seed=self.seed, whole_model=self.optimizer_scope == "model")
+        wants=self._wants, seed=self.seed,
+        whole_model=self.optimizer_scope == "model",
+        states=self._state_packing, objective=objective)
 
   def _bound_input(self, s: int, x):
     """Stage s's input `x` (shapes) as its bound function takes it
-    (`stage.bind`): with a key's shape where the stage wants one."""
-    return (x, stage_lib.key_struct()) if self._wants_key[s] else x
+    (`stage.bind`): with a key's and its state's shapes where the stage
+    wants them."""
+    state = (None if self._state_packing is None
+             else self._state_packing.trees[s])
+    return stage_lib.extras_struct(x, self._wants[s], state)
 
   def _forwards(self, stage_inputs, target) -> tuple:
     """The split backward's layout (None unless remat="residuals" on a
@@ -586,9 +626,8 @@ class Pipeline:
                     jax.tree.map(lambda _: _WINDOW, targets),
                     jax.tree.map(lambda _: P(), tables),
                     jax.tree.map(lambda _: P(), plan)),
-          out_specs=(state_specs(state), P(), P()), check_vma=False)
-      state, loss, num_losses = mapped(state, inputs, targets, tables, plan)
-      return state, {"loss": loss, "num_losses": num_losses}
+          out_specs=(state_specs(state), P()), check_vma=False)
+      return mapped(state, inputs, targets, tables, plan)
 
     return step_fn
 

@@ -4,7 +4,9 @@
 as a plain forward pipeline (GPipe's fill and drain, forwards only): in tick t
 stage s runs the forward of micro-batch t - s on its latest weights, with
 `train=False`, and sends its output one hop along 'stage'. The last stage
-takes the loss and keeps its output. It reads the state and changes nothing,
+takes the loss (and the stages' metrics) and keeps its output. Stages with a
+non-parameter state read it (BatchNorm's running statistics). It reads the
+state and changes nothing,
 whatever schedule trains it: N + S - 1 ticks for N micro-batches, against
 the training window's forward, backward and update tasks.
 """
@@ -27,28 +29,40 @@ class Forward(NamedTuple):
   """What a forward-only window knows statically."""
 
   fns: tuple[Callable, ...]  # the stages bound with train=False
-  loss_fn: Callable  # loss_fn(y, target) -> scalar mean (no auxiliary terms)
+  loss_fn: Callable  # loss_fn(y, target) -> scalar mean, or (it, metrics)
   params: packing.Packing  # the stages' weight layouts
   boundaries: boundary_lib.Boundaries
   output: Any  # the last stage's output, ShapeDtypeStruct pytree
-  wants_key: tuple[bool, ...]
+  wants: tuple[frozenset, ...]  # per stage, its keyword arguments
+  states: packing.Packing | None  # the stages' state layouts
+  objective: Any  # `objective`'s shapes: (loss, metrics)
   seed: int
   num_microbatches: int  # M
+
+
+def objective(loss_fn: Callable, out, target):
+  """The loss of the last bound stage's output without auxiliary terms, and
+  the stages' and the loss function's metrics: `(loss, metrics)`."""
+  y, (_, metrics) = out
+  return stage_lib.bind_loss(loss_fn)((y, (0.0, metrics)), target)
 
 
 def run(ctx: Forward, state: PipelineState, inputs, targets):
   """The shard_map body: the window's forwards on this device.
 
   Returns:
-    The mean loss over the window's micro-batches (the replicas' mean) and
-    the last stage's outputs `[N, b, ...]` (N = B*M), the same on every
-    stage.
+    The mean loss (`loss`) and the mean of every metric over the window's
+    micro-batches (the replicas' mean), and the last stage's outputs `[N, b,
+    ...]` (N = B*M), the same on every stage.
   """
   S, M = len(ctx.fns), ctx.num_microbatches
   N = jax.tree.leaves(inputs)[0].shape[0] * M
   stage, replica = jax.lax.axis_index(STAGE), jax.lax.axis_index(DATA)
   ring = local(state.ring)
   weights = tick_lib.read_version(ring, 0)
+  states = local(state.stage_state)
+  zeros = jax.tree.map(lambda v: jnp.zeros(v.shape, jnp.float32),
+                       ctx.objective)
   empty = jax.tree.map(lambda o: jnp.zeros((N,) + o.shape, o.dtype),
                        ctx.output)
 
@@ -57,15 +71,18 @@ def run(ctx: Forward, state: PipelineState, inputs, targets):
       p, m = item // M, item % M
       x = (tick_lib.window_item(inputs, p, m) if s == 0
            else ctx.boundaries.unpack_input(s, received))
-      x = stage_lib.with_key(x, ctx.wants_key[s], ctx.seed, p, m, s, replica)
+      x = stage_lib.with_extras(
+          x, ctx.wants[s], ctx.seed, p, m, s, replica,
+          None if "state" not in ctx.wants[s] else ctx.states.unpack(s, states))
       y = ctx.fns[s](ctx.params.unpack(s, weights), x)
       if s < S - 1:
-        return (ctx.boundaries.pack_input(s + 1, y), jnp.zeros((), jnp.float32),
+        return (ctx.boundaries.pack_input(s + 1, y), zeros,
                 jax.tree.map(lambda o: jnp.zeros(o.shape, o.dtype),
                              ctx.output))
-      loss = ctx.loss_fn(y[0], tick_lib.window_item(targets, p, m))
+      loss = objective(ctx.loss_fn, y, tick_lib.window_item(targets, p, m))
       return (tick_lib.zero_row(ctx.boundaries.acts.lengths),
-              jnp.asarray(loss, jnp.float32), y[0])
+              jax.tree.map(lambda v, z: jnp.asarray(v, z.dtype), loss, zeros),
+              y[0])
     return fn
 
   def one_tick(carry, t):
@@ -75,7 +92,8 @@ def run(ctx: Forward, state: PipelineState, inputs, targets):
     send, loss, out = jax.lax.switch(
         stage, [branch(s) for s in range(S)], received,
         jnp.clip(item, 0, N - 1))
-    loss_sum = loss_sum + jnp.where(valid, loss, 0.0)
+    loss_sum = jax.tree.map(lambda a, v: a + jnp.where(valid, v, 0.0),
+                            loss_sum, loss)
     outputs = jax.tree.map(
         lambda buf, o: jnp.where(valid & (stage == S - 1),
                                  buf.at[jnp.clip(item, 0, N - 1)].set(o), buf),
@@ -84,10 +102,10 @@ def run(ctx: Forward, state: PipelineState, inputs, targets):
                                 [(s, s + 1) for s in range(S - 1)])
     return (received, loss_sum, outputs), None
 
-  start = (tick_lib.zero_row(ctx.boundaries.acts.lengths),
-           jnp.zeros((), jnp.float32), empty)
+  start = (tick_lib.zero_row(ctx.boundaries.acts.lengths), zeros, empty)
   (_, loss_sum, outputs), _ = jax.lax.scan(one_tick, start,
                                            jnp.arange(N + S - 1))
-  loss = jax.lax.pmean(jax.lax.psum(loss_sum, STAGE), DATA) / N
+  loss, metrics = jax.tree.map(
+      lambda v: jax.lax.pmean(jax.lax.psum(v, STAGE), DATA) / N, loss_sum)
   outputs = jax.tree.map(lambda o: jax.lax.psum(o, STAGE), outputs)
-  return loss, outputs
+  return {"loss": loss, **metrics}, outputs

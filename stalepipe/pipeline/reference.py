@@ -70,6 +70,8 @@ class ReferenceState:
   inputs: dict  # minibatch -> [M, D * b, ...]
   targets: dict  # minibatch -> [M, D * b, ...]
   window: int
+  states: dict = dataclasses.field(default_factory=dict)  # (replica, stage)
+  #   -> the stage's non-parameter state, for stages that take one
 
 
 class Pipeline:
@@ -100,9 +102,8 @@ class Pipeline:
       schedule = schedule.together()
     self.stage_fns = tuple(stage_fns)
     self.seed = seed
-    self._fns = tuple(stage_lib.bind(f, train=True, first=s == 0)
-                      for s, f in enumerate(stage_fns))
-    self._wants_key = tuple("key" in stage_lib.wants(f) for f in stage_fns)
+    self._fns, self._state_fns, self._wants = stage_lib.bind_all(stage_fns)
+    self._checked = set()  # stages whose state use `stage.check_state` saw
     self.loss_fn = loss_fn
     self._loss_fn = stage_lib.bind_loss(loss_fn)
     self.schedule = schedule
@@ -119,9 +120,12 @@ class Pipeline:
             x, y, state, event._replace(replica=r), _AXIS),
         in_axes=(0, 0, 0, 0, None), axis_name=_AXIS))
 
-  def init(self, stage_params: Sequence[Any]) -> ReferenceState:
-    """Version 0 of every stage on every replica, and fresh optimizer states."""
+  def init(self, stage_params: Sequence[Any],
+           stage_states: Sequence[Any] | None = None) -> ReferenceState:
+    """Version 0 of every stage on every replica, fresh optimizer states, and
+    the stages' initial states where they take one (`stage.py`)."""
     D = self.num_replicas
+    states = stage_lib.initial_states(self._wants, stage_states) or ()
     opt_states = scope_lib.init_states(self.optimizer, self.optimizer_scope,
                                        stage_params)
     return ReferenceState(
@@ -134,11 +138,22 @@ class Pipeline:
         grads={}, acts={}, cots={},
         sync_states={s: jax.vmap(self.sync.init_state)(_stack([p] * D))
                      for s, p in enumerate(stage_params)},
-        inputs={}, targets={}, window=0)
+        inputs={}, targets={}, window=0,
+        states={(d, s): v for d in range(D) for s, v in enumerate(states)
+                if self._state_fns[s] is not None})
 
   def params(self, state: ReferenceState, replica: int = 0) -> tuple[Any, ...]:
     """The latest weights of the S stages on data replica `replica`."""
     return tuple(state.versions[(replica, s)][-1]
+                 for s in range(len(self.stage_fns)))
+
+  def stage_states(self, state: ReferenceState,
+                   replica: int = 0) -> tuple[Any, ...] | None:
+    """The S stages' states on data replica `replica` (None for a stage
+    without; None if no stage has one)."""
+    if not state.states:
+      return None
+    return tuple(state.states.get((replica, s))
                  for s in range(len(self.stage_fns)))
 
   def step(self, state: ReferenceState, inputs, targets):
@@ -184,7 +199,7 @@ class Pipeline:
         opt_states=dict(state.opt_states), grads=dict(state.grads),
         acts=dict(state.acts), cots=dict(state.cots),
         sync_states=dict(state.sync_states), inputs=dict(state.inputs),
-        targets=dict(state.targets), n=n)
+        targets=dict(state.targets), n=n, states=dict(state.states))
 
   def _run_ticks(self, w: "_Scratch", ticks, below: int | None = None):
     """Every task and update in `ticks` (of minibatches before `below`)."""
@@ -212,10 +227,12 @@ class Pipeline:
         provenance={key: tuple(v) for key, v in w.provenance.items()},
         opt_states=w.opt_states, grads=w.grads, acts=w.acts, cots=w.cots,
         sync_states=w.sync_states, inputs=w.inputs, targets=w.targets,
-        window=window)
+        window=window, states=w.states)
     loss = jnp.mean(jnp.stack(w.losses)) if w.losses else jnp.nan
+    metrics = (jax.tree.map(lambda *v: jnp.mean(jnp.stack(v)), *w.metrics)
+               if w.metrics else {})
     return state, {"loss": loss, "num_losses": len(w.losses)
-                   // self.num_replicas, "staleness": w.staleness}
+                   // self.num_replicas, "staleness": w.staleness, **metrics}
 
   def _weights(self, w: "_Scratch", t, d: int):
     """The weights task t reads on replica d: its version, or as predicted."""
@@ -243,25 +260,35 @@ class Pipeline:
     if kind.runs_forward:
       self._observe(w, t, d)
     for m in w.stream.covered_microbatches(t):
-      x = stage_lib.with_key(
+      x = stage_lib.with_extras(
           _item(w.part(w.inputs[p], d), m) if s == 0
-          else w.acts[(d, s, p, m)], self._wants_key[s], self.seed, p, m, s,
-          d)
+          else w.acts[(d, s, p, m)], self._wants[s], self.seed, p, m, s, d,
+          w.states.get((d, s)))
       target = _item(w.part(w.targets[p], d), m)
+      if kind.runs_forward and self._state_fns[s] is not None:
+        if s not in self._checked:
+          stage_lib.check_state(fn, self._state_fns[s], weights, x, s)
+          self._checked.add(s)
+        w.states[(d, s)] = self._state_fns[s](weights, x)
       if not kind.runs_backward:
         y = fn(weights, x)
         if last:
-          w.losses.append(self._loss_fn(y, target))
+          loss, metrics = self._loss_fn(y, target)
+          w.losses.append(loss)
+          w.metrics.append(metrics)
         else:
           w.acts[(d, s + 1, p, m)] = y
         continue
       if last:
-        objective = lambda v, x: self._loss_fn(fn(v, x), target) / M  # pylint: disable=cell-var-from-loop
+        def objective(v, x):
+          loss, metrics = self._loss_fn(fn(v, x), target)  # pylint: disable=cell-var-from-loop
+          return loss / M, metrics
         # Integer leaves of x (token ids) get a float0 cotangent.
-        loss, (gw, gx) = jax.value_and_grad(objective, (0, 1),
-                                            allow_int=True)(weights, x)
+        (loss, metrics), (gw, gx) = jax.value_and_grad(
+            objective, (0, 1), has_aux=True, allow_int=True)(weights, x)
         if kind.runs_forward:
           w.losses.append(loss * M)
+          w.metrics.append(metrics)
       else:
         _, vjp = jax.vjp(fn, weights, x)
         gw, gx = vjp(w.cots[(d, s, p, m)])
@@ -271,7 +298,7 @@ class Pipeline:
                         else jax.tree.map(jnp.add, w.grads[key], gw))
       if s > 0 and kinds_lib.INPUT_COTANGENT in kind.produces:
         w.cots[(d, s - 1, p, m)] = stage_lib.input_cotangent(
-            gx, self._wants_key[s])
+            gx, self._wants[s])
 
   def _run_update(self, w: "_Scratch", p: int,
                   stages: tuple[int, ...] | None = None) -> None:
@@ -353,7 +380,9 @@ class _Scratch:
   inputs: dict
   targets: dict
   n: int  # examples of a micro-batch per replica
+  states: dict = dataclasses.field(default_factory=dict)
   losses: list = dataclasses.field(default_factory=list)
+  metrics: list = dataclasses.field(default_factory=list)  # per loss
   staleness: dict = dataclasses.field(default_factory=dict)  # minibatch ->
   #   most updates a forward of it missed
 

@@ -55,6 +55,8 @@ class PipelineState(NamedTuple):
   history: InputHistory | None  # None until the first step
   sync: Any  # the sync policy's state (`SyncPolicy.init_state`), [D, S, ...]
   step: jax.Array  # int32 []: windows run so far
+  stage_state: packing.Flat | None = None  # dtype -> [D, S, L_state]: the
+  #   stages' non-parameter states (`stage.py`), packed; None: no stage has one
 
 
 class TickCarry(NamedTuple):
@@ -69,6 +71,8 @@ class TickCarry(NamedTuple):
   sync: Any  # the policy's state for this stage and replica
   loss_sum: jax.Array  # float32 []: losses of micro-batches ended here
   num_losses: jax.Array  # int32 []
+  metric_sums: dict  # name -> float32 []: their metrics (`stage.Output`)
+  stage_state: packing.Flat | None  # dtype -> [L_state]: this stage's state
 
 
 def local(tree):

@@ -48,8 +48,10 @@ class Stages(NamedTuple):
   """What the tick functions know statically about a pipeline."""
 
   fns: tuple[Callable, ...]  # S stage functions as bound (`stage.bind`):
-  #   f_s(params_s, x) -> y, or f_s(params_s, (x, key_data)) -> y
-  loss_fn: Callable  # loss_fn(y, target) -> scalar mean
+  #   f_s(params_s, x) -> y, or f_s(params_s, (x, extras)) -> y
+  state_fns: tuple[Callable | None, ...]  # per stage, its new state from a
+  #   training forward (`stage.bind_state`); None for stages without state
+  loss_fn: Callable  # (y, target) -> (scalar mean, metrics) (`bind_loss`)
   params: packing.Packing  # the stages' weight layouts
   opt: packing.Packing  # the stages' optimizer-state layouts
   optimizer: Any  # optax transformation, maybe with `predict`
@@ -66,7 +68,10 @@ class Stages(NamedTuple):
   split: split_lib.Layout | None  # BI keeps op cotangents for BW; None: the
   #   backward tasks call the whole pullback
   stale_schedule: bool  # `contract.schedule_is_stale`: pass stale_params
-  wants_key: tuple[bool, ...]  # per stage: whether it takes a PRNG key
+  wants: tuple[frozenset, ...]  # per stage: the keyword arguments it takes
+  #   (`stage.ARGUMENTS`): a PRNG key, its state
+  states: packing.Packing | None  # the stages' state layouts; None: none
+  objective: Any  # the last stage's objective, shapes: (loss, metrics)
   seed: int  # the run's seed, whence every task's key (`stage.key_data`)
   whole_model: bool  # `scope.py`: the update rule steps on all stages'
   #   trees together (gathered over 'stage'), else on each stage's own
@@ -178,9 +183,10 @@ def bound_input(ctx: Stages, s: int, carry: TickCarry, instr, window: Window,
   task's micro-batch `offset`, with its key where the stage wants one."""
   minibatch = ((window.step - ctx.program.history) * ctx.window_minibatches
                + instr.minibatch)
-  return stage_lib.with_key(
-      stage_input(ctx, s, carry, instr, window, offset), ctx.wants_key[s],
-      ctx.seed, minibatch, instr.microbatch + offset, s, window.replica)
+  return stage_lib.with_extras(
+      stage_input(ctx, s, carry, instr, window, offset), ctx.wants[s],
+      ctx.seed, minibatch, instr.microbatch + offset, s, window.replica,
+      stage_state(ctx, s, carry))
 
 
 def no_output(ctx: Stages) -> TaskOutput:
@@ -194,9 +200,33 @@ def no_output(ctx: Stages) -> TaskOutput:
       zeros(ctx.residuals), scratch, zeros(ctx.split), scratch)
 
 
-def add_losses(carry: TickCarry, total, count) -> TickCarry:
-  return carry._replace(loss_sum=carry.loss_sum + total,
-                        num_losses=carry.num_losses + count)
+def add_losses(carry: TickCarry, total, count, metrics: dict) -> TickCarry:
+  """The carry with `count` micro-batches' losses and metrics (sums) added."""
+  return carry._replace(
+      loss_sum=carry.loss_sum + total, num_losses=carry.num_losses + count,
+      metric_sums=jax.tree.map(jnp.add, carry.metric_sums, metrics))
+
+
+def zero_objective(ctx: Stages):
+  """Zeros shaped like the last stage's objective: (loss, metrics)."""
+  return jax.tree.map(lambda v: jnp.zeros(v.shape, v.dtype), ctx.objective)
+
+
+def stage_state(ctx: Stages, s: int, carry: TickCarry):
+  """Stage s's state (None where it has none)."""
+  if ctx.state_fns[s] is None:
+    return None
+  return ctx.states.unpack(s, carry.stage_state)
+
+
+def update_state(ctx: Stages, s: int, carry: TickCarry, weights, x
+                 ) -> TickCarry:
+  """The carry with stage s's state as a training forward of the bound
+  input `x` leaves it (`stage.bind_state`)."""
+  if ctx.state_fns[s] is None:
+    return carry
+  new = ctx.state_fns[s](weights, x)
+  return carry._replace(stage_state=ctx.states.pack(s, new))
 
 
 def idle(ctx: Stages, carry: TickCarry, instr, window: Window):
@@ -227,10 +257,11 @@ def forward(ctx: Stages, s: int, carry: TickCarry, instr, window: Window):
     output = output._replace(
         kept=residuals_lib.keep(ctx.residuals, s, kept),
         kept_slot=slot_of(ctx, instr, window))
+  carry = update_state(ctx, s, carry, weights, x)
   if not last:
     return carry, output._replace(
         forward=ctx.boundaries.pack_input(s + 1, out))
-  return add_losses(carry, out, 1), output
+  return add_losses(carry, out[0], 1, out[1]), output
 
 
 def split_gradients(ctx: Stages, s: int, kind: kinds_lib.TaskKind,
@@ -272,7 +303,7 @@ def gradients(ctx: Stages, s: int, kind: kinds_lib.TaskKind, carry: TickCarry,
   slot = slot_of(ctx, instr, window, offset)
   target = (window_item(window.targets, instr.minibatch,
                         instr.microbatch + offset) if last else None)
-  loss = jnp.zeros((), jnp.float32)
+  loss = zero_objective(ctx)
   if ctx.residuals is not None and not kind.runs_forward:
     row = read_slot(carry.buffers.residuals, slot)
     kept = residuals_lib.restore(ctx.residuals, s, row, weights, x, target)
@@ -280,7 +311,8 @@ def gradients(ctx: Stages, s: int, kind: kinds_lib.TaskKind, carry: TickCarry,
     value, kept = residuals_lib.vjp(ctx.fns[s], ctx.loss_fn, last)(
         weights, x, target)
     loss = value if last else loss
-  cotangent = (jnp.asarray(1.0 / M, jnp.result_type(loss)) if last
+  cotangent = ((jnp.asarray(1.0 / M, ctx.objective[0].dtype),
+                zero_objective(ctx)[1]) if last
                else ctx.boundaries.unpack_cotangent(
                    s + 1, read_slot(carry.buffers.cots, slot)))
   if ctx.split is not None and not kind.runs_forward:
@@ -288,7 +320,7 @@ def gradients(ctx: Stages, s: int, kind: kinds_lib.TaskKind, carry: TickCarry,
                                         slot, x, target, cotangent)
   else:
     (g_w, g_x), op_cots = kept(cotangent), None
-  return g_w, stage_lib.input_cotangent(g_x, ctx.wants_key[s]), loss, op_cots
+  return g_w, stage_lib.input_cotangent(g_x, ctx.wants[s]), loss, op_cots
 
 
 def backward(ctx: Stages, s: int, kind: kinds_lib.TaskKind, carry: TickCarry,
@@ -300,18 +332,22 @@ def backward(ctx: Stages, s: int, kind: kinds_lib.TaskKind, carry: TickCarry,
   keeps the weight ops' output cotangents for BW. Returns (carry, output,
   the weight gradient's pieces or None)."""
   weights = task_weights(ctx, s, carry, instr)
-  grads, sends, losses = None, [], jnp.zeros((), jnp.float32)
+  grads, sends, losses = None, [], zero_objective(ctx)
   for w in range(ctx.program.backward_width):
     g_w, g_x, loss, op_cots = gradients(ctx, s, kind, carry, instr, window,
                                         weights, w)
+    if kind.runs_forward:
+      carry = update_state(ctx, s, carry, weights,
+                           bound_input(ctx, s, carry, instr, window, w))
     if kinds_lib.WEIGHT_GRADIENT in kind.produces:
       grads = g_w if grads is None else jax.tree.map(jnp.add, grads, g_w)
-    losses = losses + loss
+    losses = jax.tree.map(jnp.add, losses, loss)
     # Stage 0 sends no cotangent; integer leaves (token ids) have none.
     sends.append(ctx.boundaries.pack_cotangent(s, g_x) if s > 0
                  and g_x is not None else zero_row(ctx.boundaries.cots.lengths))
-  if kind.runs_forward:
-    carry = add_losses(carry, losses, ctx.program.backward_width)
+  if kind.runs_forward and s == ctx.num_stages - 1:
+    carry = add_losses(carry, *losses[:1], ctx.program.backward_width,
+                       losses[1])
   out = no_output(ctx)
   if kinds_lib.INPUT_COTANGENT in kind.produces:
     out = out._replace(backward=jax.tree.map(lambda *r: jnp.stack(r), *sends))
