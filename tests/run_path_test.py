@@ -58,7 +58,8 @@ PLANES = {
     "sync": (sync.names(), lambda n: {
         "sync": n, "num_replicas": 2, **(WAVES if n == "wsp" else {}),
         "sync_kwargs": {"wsp": {"clock_distance": 1},
-                        "local_sgd": {"period": 2}}.get(n, {})}),
+                        "local_sgd": {"period": 2},
+                        "simulated": {"policy": "sdpipe"}}.get(n, {})}),
     "model": (models.names(), lambda n: {
         "mlp": {}, "vgg": {**IMAGES, "model": "vgg", "model_kwargs": {
             "stages": ((4,), (4,)), "dense": (8,)}},
