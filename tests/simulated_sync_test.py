@@ -7,6 +7,7 @@ user would without the config path), a config row of
 and one-line refusals of bad arguments.
 """
 
+import ast
 import importlib
 import json
 import pathlib
@@ -142,3 +143,17 @@ def test_the_hook_refuses_a_policy_that_replays_nothing(tmp_path):
   with pytest.raises(ValueError, match="hook SimulatedSeconds needs "
                      "sync='simulated', not sync='bsp'; valid: "):
     module["SimulatedSeconds"](parts, str(tmp_path))
+
+
+def test_the_executor_and_the_sync_policies_never_import_the_simulator():
+  """Only `simulated`'s factory imports `stalepipe.sim`, inside itself."""
+  found = []
+  for package in ("pipeline", "sync"):
+    for path in sorted((ROOT / "stalepipe" / package).glob("*.py")):
+      for node in ast.parse(path.read_text()).body:  # module level only
+        names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                 else [f"{node.module}.{a.name}" for a in node.names]
+                 if isinstance(node, ast.ImportFrom) else [])
+        found += [f"{path.name}: {n}" for n in names
+                  if n.startswith("stalepipe.sim")]
+  assert not found, found
