@@ -21,6 +21,8 @@ import os
 import jax
 import numpy as np
 
+from stalepipe import models
+
 
 class StageNorms:
   """Writes each stage's weight norm, :math:`\\|x_s\\|_2`, every `every` steps
@@ -85,3 +87,86 @@ class LearnsItsData:
     if jax.process_index() == 0:
       with open(self._path, "w") as f:
         json.dump(figures, f, indent=2)
+
+
+class SimulatedSeconds:
+  """Puts a run's loss against the simulated wall-clock of its sync policy.
+
+  For a run whose policy replays a simulation (`sync="simulated"`,
+  `stalepipe.sync.simulated`), every logged step t (`log_every`) gets a
+  record `{"step": t, "simulated_seconds": c_{t-1}}` in `metrics.jsonl`,
+  :math:`c_p` the simulated time at which minibatch p's update is in place
+  on every stage of every pipeline. At the end it writes to `figures.json`:
+  `simulated_seconds` (all minibatches), `steps_to_target` and
+  `simulated_seconds_to_target` (the first logged step whose training loss,
+  the mean of the last `smooth` logged values, is at most `target`),
+  `smoothed_final_loss`, the replicas' mean test accuracy
+  (`replica_mean_test_accuracy`; the summary's is replica 0's) and the
+  simulated `observed_staleness_per_replica`.
+  """
+
+  def __init__(self, parts, workdir: str, target: float = 0.15,
+               smooth: int = 4):
+    trace = parts.pipeline.sync.trace
+    if trace is None:
+      raise ValueError(f"hook SimulatedSeconds needs sync='simulated', not "
+                       f"sync={parts.config.sync!r}; valid: a run whose sync "
+                       "policy replays a simulation")
+    self.every = parts.config.log_every
+    self._seconds, self._staleness = trace.seconds, trace.staleness
+    self._target, self._smooth = target, smooth
+    self._workdir, self._parts = workdir, parts
+    self._logged = None
+
+  def _append(self, record: dict) -> None:
+    if jax.process_index() == 0:
+      with open(os.path.join(self._workdir, "metrics.jsonl"), "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+  def __call__(self, run) -> None:
+    self._append({"step": run.step,
+                  "simulated_seconds": float(self._seconds[run.step - 1])})
+    self._logged = run.step
+
+  def end(self, run) -> None:
+    if run.metrics and self._logged != run.step:
+      self(run)
+    model_fn = models.unpipelined(self._parts.staged)
+    x, y = self._parts.test
+    accuracy = [float(np.mean(np.argmax(model_fn(
+        self._parts.pipeline.params(run.state, r), x), -1) == y))
+                for r in range(self._parts.config.num_replicas)]
+    if jax.process_index() != 0:
+      return
+    with open(os.path.join(self._workdir, "metrics.jsonl")) as f:
+      records = [json.loads(line) for line in f if line.strip()]
+    losses = {r["step"]: r["loss"] for r in records if "loss" in r}
+    steps = sorted(losses)
+    smoothed = rolling_mean([losses[s] for s in steps], self._smooth)
+    hit = next((s for s, v in zip(steps, smoothed) if v <= self._target),
+               None)
+    figures = {
+        "simulated_seconds": float(self._seconds[run.step - 1]),
+        "steps_to_target": hit,
+        "simulated_seconds_to_target": (
+            None if hit is None else float(self._seconds[hit - 1])),
+        "smoothed_final_loss": float(smoothed[-1]) if steps else None,
+        "replica_mean_test_accuracy": float(np.mean(accuracy)),
+        "observed_staleness_per_replica": self._staleness}
+    with open(os.path.join(self._workdir, "figures.json"), "w") as f:
+      json.dump(figures, f, indent=2)
+
+
+def rolling_mean(values, n: int) -> np.ndarray:
+  """Mean of each value and the `n - 1` before it, the first value standing
+  in for those before the start.
+
+  Examples:
+    >>> rolling_mean([4.0, 2.0, 0.0], 2)
+    array([4., 3., 1.])
+  """
+  values = np.asarray(values, float)
+  if not values.size:
+    return values
+  padded = np.concatenate([np.full(n - 1, values[0]), values])
+  return np.convolve(padded, np.ones(n) / n, mode="valid")

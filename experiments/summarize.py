@@ -12,6 +12,14 @@ stopped on a diverged loss and is counted as diverged; one without either
 is counted as unfinished; neither enters the mean. The std is over seeds
 with ddof=0. `harness.record` prints the table's JSON (and writes
 `<out_dir>/<name>.json`), then the markdown table follows.
+
+`--curve=KEY` also draws each run's training loss (from `metrics.jsonl`,
+a rolling mean of `--smooth` logged values) against the `metrics.jsonl`
+key KEY logged at the same steps (e.g. `simulated_seconds`, which
+`experiments.hooks:SimulatedSeconds` writes) into `<name>.png` under
+--out_dir (docs/figures/ with --write_figures), one panel per prefix of the
+row names before their last "-" (`hete-B-sdpipe` is row `sdpipe` of panel
+`hete-B`).
 """
 
 import glob
@@ -33,6 +41,13 @@ _KEYS = flags.DEFINE_list(
 _NAME = flags.DEFINE_string(
     "name", None, "Name of the results JSON; default: the first glob's "
     "directory name, e.g. sapipe_table2.")
+
+_CURVE = flags.DEFINE_string(
+    "curve", None, "A metrics.jsonl key to draw each run's training loss "
+    "against (e.g. simulated_seconds); default: no figure.")
+_SMOOTH = flags.DEFINE_integer(
+    "smooth", 1, "Logged losses in the rolling mean of each --curve.",
+    lower_bound=1)
 
 _SEED = re.compile(r"^(.*)-(\d+)$")
 _NAN_STOP = re.compile(r"launch.py: error: loss is -?(nan|inf)")
@@ -123,6 +138,55 @@ def markdown(rows: dict[str, dict], keys: list[str]) -> str:
   return "\n".join(lines)
 
 
+def curve(workdir: str, key: str, smooth: int) -> tuple[np.ndarray,
+                                                        np.ndarray]:
+  """`(x, loss)`: each logged step's `key` and training loss (the rolling
+  mean of `smooth` logged losses), where metrics.jsonl has both."""
+  import hooks  # pylint: disable=g-import-not-at-top  (JAX: --curve only)
+  x, loss = {}, {}
+  try:
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+      for record in map(json.loads, filter(str.strip, f)):
+        if key in record:
+          x[record["step"]] = record[key]
+        if "loss" in record:
+          loss[record["step"]] = record["loss"]
+  except FileNotFoundError:
+    pass
+  steps = sorted(set(x) & set(loss))
+  return (np.array([x[s] for s in steps], float),
+          hooks.rolling_mean([loss[s] for s in steps], smooth))
+
+
+def plot(workdirs: list[str], key: str, smooth: int, path: str) -> None:
+  """One panel per row-name prefix (before the last "-"), one line per run
+  (per row and seed), loss on a log scale against `key`."""
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use("Agg")
+  from matplotlib import pyplot as plt  # pylint: disable=g-import-not-at-top
+  panels = {}
+  for workdir in workdirs:
+    row, seed = row_and_seed(workdir)
+    panel, _, label = row.rpartition("-")
+    panels.setdefault(panel, []).append((label, seed, workdir))
+  fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4.2),
+                           sharey=True, squeeze=False)
+  for ax, (panel, runs) in zip(axes[0], panels.items()):
+    for label, seed, workdir in runs:
+      x, loss = curve(workdir, key, smooth)
+      if x.size:
+        ax.plot(x, loss, label=label if seed in (None, 0) else
+                f"{label}-{seed}")
+    ax.set_yscale("log")
+    ax.set_title(panel or os.path.basename(os.path.dirname(workdirs[0])))
+    ax.set_xlabel(key)
+  axes[0][0].set_ylabel(f"training loss (mean of {smooth} logged)")
+  axes[0][0].legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
 def main(argv):
   del argv
   workdirs = sorted({path for pattern in _RUNS.value
@@ -135,6 +199,9 @@ def main(argv):
   name = _NAME.value or os.path.basename(os.path.dirname(
       os.path.normpath(workdirs[0]))) or "summary"
   harness.record(name, {"runs": _RUNS.value, "keys": keys, "rows": rows})
+  png = _CURVE.value and harness.figure_path(f"{name}.png")
+  if png:
+    plot(workdirs, _CURVE.value, _SMOOTH.value, png)
   print(markdown(rows, keys))  # last, under the JSON
 
 

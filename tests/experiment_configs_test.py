@@ -22,6 +22,9 @@ ROWS = {
                                       "wp1", "wp2", "wp3", "nesterov")],
     "small_models.py": [f"variant={v}" for v in (
         "mlp_synthetic", "vgg_digits", "resnet_digits", "transformer_chars")],
+    "sync_wallclock.py": [f"policy={p},stragglers={s}" for p in (
+        "bsp", "wsp0", "wsp4", "wsp32", "sdpipe", "ad_psgd") for s in (
+            "homogeneous", "hete-A", "hete-B")],
 }
 
 

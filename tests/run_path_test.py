@@ -58,7 +58,8 @@ PLANES = {
     "sync": (sync.names(), lambda n: {
         "sync": n, "num_replicas": 2, **(WAVES if n == "wsp" else {}),
         "sync_kwargs": {"wsp": {"clock_distance": 1},
-                        "local_sgd": {"period": 2}}.get(n, {})}),
+                        "local_sgd": {"period": 2},
+                        "simulated": {"policy": "sdpipe"}}.get(n, {})}),
     "model": (models.names(), lambda n: {
         "mlp": {}, "vgg": {**IMAGES, "model": "vgg", "model_kwargs": {
             "stages": ((4,), (4,)), "dense": (8,)}},
@@ -152,8 +153,10 @@ def test_every_registered_name_builds_through_the_config_path(
   assert set(SCHEDULE_KWARGS) == set(optimizers.SCHEDULES.names())
   assert len(parts.staged.stage_fns) == config.num_stages
   if plane in ("schedule", "sync"):
+    # `simulated` builds the policy it replays (`sync_kwargs.policy`).
+    built_as = (name, name.upper(), config.sync_kwargs.get("policy"))
     assert getattr(parts.schedule if plane == "schedule" else
-                   parts.pipeline.sync, "name", name) in (name, name.upper())
+                   parts.pipeline.sync, "name", name) in built_as
 
 
 def test_a_transform_that_is_no_transform_is_refused_by_the_check():

@@ -69,3 +69,28 @@ def test_table_is_numpy_mean_and_std_over_seeds(tmp_path):
 def test_row_and_seed():
   assert summarize.row_and_seed("runs/x/lr0.15-wp1-2/") == ("lr0.15-wp1", 2)
   assert summarize.row_and_seed("runs/x/default") == ("default", None)
+
+
+def test_curve_puts_the_rolling_mean_loss_against_a_logged_key(tmp_path):
+  losses, seconds = [2.0, 1.0, 0.5, 0.25], [3.0, 5.0, 8.0, 9.0]
+  for panel in ("homogeneous", "hete-B"):
+    lines = []
+    for k, (loss, s) in enumerate(zip(losses, seconds)):
+      lines += [{"step": 8 * (k + 1), "loss": loss},
+                {"step": 8 * (k + 1), "simulated_seconds": s}]
+    lines.append({"step": 32, "test_loss": 0.3})
+    _write(tmp_path / "exp" / f"{panel}-bsp-0", "metrics.jsonl",
+           "".join(json.dumps(r) + "\n" for r in lines))
+    _write(tmp_path / "exp" / f"{panel}-bsp-0", "summary.json",
+           {"test_accuracy": 0.9})
+  x, loss = summarize.curve(str(tmp_path / "exp" / "hete-B-bsp-0"),
+                            "simulated_seconds", 2)
+  np.testing.assert_array_equal(x, seconds)
+  np.testing.assert_allclose(loss, [2.0, 1.5, 0.75, 0.375])
+  out = tmp_path / "out"
+  subprocess.run(
+      [sys.executable, str(ROOT / "experiments" / "summarize.py"),
+       f"--runs={tmp_path / 'exp' / '*'}", f"--out_dir={out}",
+       "--keys=test_accuracy", "--curve=simulated_seconds", "--smooth=2"],
+      capture_output=True, text=True, check=True)
+  assert (out / "exp.png").stat().st_size > 0

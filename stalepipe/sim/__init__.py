@@ -27,6 +27,7 @@ Examples:
   True
 """
 
+from stalepipe.sim import clusters
 from stalepipe.sim.cluster import Cluster
 from stalepipe.sim.cluster import Device
 from stalepipe.sim.cluster import Link
@@ -52,7 +53,7 @@ from stalepipe.sim.wsp_sync import wsp
 
 __all__ = (
     "Cluster", "Device", "Link", "Planned", "SimResult", "StageCosts",
-    "Stragglers", "Trace", "ad_psgd", "bsp", "from_plan", "hete", "isolated",
-    "load_trace", "local_sgd", "parameter_server", "ring_allreduce_seconds",
-    "sdpipe", "simulate", "tile", "time_side", "wsp",
+    "Stragglers", "Trace", "ad_psgd", "bsp", "clusters", "from_plan", "hete",
+    "isolated", "load_trace", "local_sgd", "parameter_server",
+    "ring_allreduce_seconds", "sdpipe", "simulate", "tile", "time_side", "wsp",
 )

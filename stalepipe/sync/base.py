@@ -68,12 +68,15 @@ class SyncPolicy:
     average_gradients: all-reduce (mean) every gradient before its update.
     wave: WSP's minibatches per wave (N_m); 0 when the policy has no waves.
     clock_distance: WSP's D.
+    trace: the simulated run a policy replays (`simulated.SimulatedTrace`,
+      set by `stalepipe.sync.simulated`), or None.
   """
 
   name = "none"
   average_gradients = False
   wave = 0
   clock_distance = 0
+  trace = None
 
   def __init__(self, num_replicas: int):
     if not isinstance(num_replicas, int) or num_replicas < 1:

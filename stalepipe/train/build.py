@@ -136,7 +136,8 @@ def _sync(config, schedule: Schedule) -> sync_lib.SyncPolicy:
   if config.sync == "wsp":  # a wave is the schedule's N_m minibatches
     kwargs.setdefault("concurrent_minibatches",
                       schedule.options.get("concurrent_minibatches", 1))
-  return sync_lib.make(config.sync, num_replicas=config.num_replicas, **kwargs)
+  return sync_lib.make(config.sync, num_replicas=config.num_replicas,
+                       schedule=schedule, num_steps=config.num_steps, **kwargs)
 
 
 def _hook_factories(config) -> list[tuple[Callable[..., Any], dict[str, Any]]]:
