@@ -171,3 +171,16 @@ def test_a_finished_pipedream_run_extended_equals_the_longer_run(tmp_path):
   for key in want:
     np.testing.assert_array_equal(got[key], want[key], err_msg=key)
   assert second["test_loss"] == longer["test_loss"]
+
+
+def test_a_drain_that_is_not_finite_stops_and_keeps_the_checkpoint(tmp_path):
+  parts = build.parts(tiny(schedule="pipedream"))
+  parts.pipeline.drain = lambda state: (state, {"loss": float("nan"),
+                                                "num_losses": 1})
+  with pytest.raises(ValueError, match=r"loss nan or weights not finite in "
+                     r"the drain after step 8; run stopped, last good "
+                     r"checkpoint: .*checkpoints/8$"):
+    trainer.train(parts, str(tmp_path))
+  assert not (tmp_path / "summary.json").exists()
+  assert not (tmp_path / "params.npz").exists()
+  assert (tmp_path / "checkpoints" / "8").is_dir()

@@ -67,16 +67,17 @@ def train(parts: build.Parts, workdir: str, hooks: Sequence[Any] = (),
       to `<workdir>/previous-N/` first (nothing is deleted).
 
   Returns:
-    The summary: final evaluation, steps (minibatches), training throughput
-    (without evaluation and checkpoints), and `preempted` (the signal's
-    name) if a signal stopped the run.
+    The summary: final evaluation (on the drained weights), what the drain
+    did, steps (minibatches), training throughput (without evaluation and
+    checkpoints), and `preempted` (the signal's name) if a signal stopped
+    the run (not drained).
 
   Raises:
     ValueError: on a workdir another run holds, one that holds a run's
       results but no checkpoint to resume (unless `fresh`), no checkpoint
       that verifies,
       a foreign checkpoint, `num_steps` below the checkpoint's step, or a
-      NaN/inf loss (naming the step).
+      NaN/inf loss (naming the step; the drain's too).
     checkpoint_lib.CheckpointError: if a checkpoint cannot be written.
   """
   with workdir_lib.lock(workdir), preemption_lib.Preemption() as preemption:
@@ -183,16 +184,16 @@ def _drain(pipe, end: loop.Run, ckpt) -> tuple[loop.Run, dict[str, Any]]:
       multihost_utils.process_allgather(state.ring.latest, tiled=True))
   before = latest(end.state)
   state, metrics = pipe.drain(end.state)  # donates the state it drains
-  if not bool(hooks_lib.all_finite(state.ring.params)):
-    last = ckpt.latest_step()
-    raise ValueError(f"weights are not finite after draining step {end.step}; "
-                     f"run stopped, last good checkpoint: {ckpt.directory}/"
-                     f"{last}")
   n = int(metrics["num_losses"])
+  loss = float(metrics["loss"]) if n else None
+  if ((loss is not None and not np.isfinite(loss))
+      or not bool(hooks_lib.all_finite(state.ring.params))):
+    raise ValueError(f"loss {loss} or weights not finite in the drain after "
+                     f"step {end.step}; run stopped, last good checkpoint: "
+                     f"{ckpt.directory}/{ckpt.latest_step()}")
   return end._replace(state=state), {
       "drained_minibatches": int((latest(state) - before).max()),
-      "drained_loss": float(metrics["loss"]) if n else None,
-      "drained_num_losses": n}
+      "drained_loss": loss, "drained_num_losses": n}
 
 
 def _hooks(parts, config_dict, ckpt, writer, console, preemption):
