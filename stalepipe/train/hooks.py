@@ -43,8 +43,10 @@ def eval_rows(num_examples: int,
 
   Examples:
     >>> rows, weights = eval_rows(5, (1, 1, 2, 2))
-    >>> rows.tolist(), weights.sum()
-    ([[[[0, 1, 2, 3]]], [[[4, 0, 1, 2]]]], 5.0)
+    >>> rows.tolist()
+    [[[[0, 1, 2, 3]]], [[[4, 0, 1, 2]]]]
+    >>> weights.ravel().tolist()
+    [1.0, 1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0]
   """
   B, M, D, b = window_shape
   per_window = B * M * D * b
@@ -84,11 +86,10 @@ def evaluate(pipe, state, x: np.ndarray, y: np.ndarray, loss_fn,
   it with the whole test set and passes `pipe.evaluate` its own slice.
   """
   rows, weights = eval_rows(len(x), window_shape)
-  mesh = pipe.mesh
   sums = []
   for k in range(len(rows)):
     inputs, targets, real = pipe.place(executor.process_slice(
-        (x[rows[k]], y[rows[k]], weights[k]), mesh))
+        (x[rows[k]], y[rows[k]], weights[k]), pipe.mesh))
     outputs = pipe.evaluate(state, inputs, targets)["outputs"]
     sums.append(_window_sums(loss_fn, outputs, targets, real))
   count = len(x)
