@@ -94,10 +94,13 @@ def _run_and_drain(parts, num_windows: int, oracle: bool):
   if oracle:
     pipe = reference.Pipeline(parts.staged.stage_fns, parts.loss_fn,
                               parts.schedule, parts.pipeline.optimizer)
-    updates = lambda state: np.array([len(v) for v in state.versions.values()])  # pylint: disable=unnecessary-lambda-assignment
+    def updates(state):
+      return np.array([len(v) for v in state.versions.values()])
   else:
     pipe = parts.pipeline
-    updates = lambda state: np.asarray(state.ring.latest)  # pylint: disable=unnecessary-lambda-assignment
+
+    def updates(state):
+      return np.asarray(state.ring.latest)
   state = pipe.init(parts.staged.stage_params)
   for window in range(num_windows):
     state, _ = pipe.step(state, *parts.batch(window))

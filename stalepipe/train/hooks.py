@@ -66,7 +66,9 @@ def _window_sums(loss_fn, outputs, targets, weights):
   Each example's loss is `loss_fn` of it alone, so their mean over the test
   set is `loss_fn`'s mean over it whatever the windows (every example has
   the same number of labels)."""
-  one = lambda y, t: loss_fn(y[None], t[None])  # pylint: disable=unnecessary-lambda-assignment
+  def one(y, t):
+    return loss_fn(y[None], t[None])
+
   losses = jax.vmap(jax.vmap(jax.vmap(one)))(outputs, targets)  # [B, M, D*b]
   correct = jnp.sum(jnp.argmax(outputs, -1) == targets,
                     axis=tuple(range(3, targets.ndim)))

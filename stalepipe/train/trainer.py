@@ -180,8 +180,10 @@ def _drain(pipe, end: loop.Run, ckpt) -> tuple[loop.Run, dict[str, Any]]:
   before), and what the drain did: the minibatches it finished (the most
   updates it applied to a stage) and the mean loss of the forwards it ran
   (None where it ran none)."""
-  latest = lambda state: np.asarray(  # pylint: disable=unnecessary-lambda-assignment
-      multihost_utils.process_allgather(state.ring.latest, tiled=True))
+  def latest(state):  # updates applied per stage, [D, S]
+    return np.asarray(multihost_utils.process_allgather(state.ring.latest,
+                                                        tiled=True))
+
   before = latest(end.state)
   state, metrics = pipe.drain(end.state)  # donates the state it drains
   n = int(metrics["num_losses"])
