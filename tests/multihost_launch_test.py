@@ -7,6 +7,7 @@ the final parameters must equal the single-process run's bit for bit, also
 when the two-process run stops half way and resumes from its checkpoint.
 """
 
+import json
 import os
 import re
 import pathlib
@@ -69,6 +70,13 @@ def test_two_processes_match_one_also_across_a_resume(tmp_path):
   assert want.keys() == got.keys()
   for key in want:
     np.testing.assert_array_equal(got[key], want[key], err_msg=key)
+  # The final evaluation through the mesh, each process passing its slice,
+  # on the drained weights.
+  one, two = (json.loads((w / "summary.json").read_text())
+              for w in (single, multi))
+  assert two["drained_minibatches"] == one["drained_minibatches"] > 0
+  assert two["test_accuracy"] == one["test_accuracy"]
+  assert two["test_loss"] == pytest.approx(one["test_loss"], rel=1e-6)
 
 
 def test_partial_multihost_flags_are_a_one_line_error(tmp_path):

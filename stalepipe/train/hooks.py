@@ -7,17 +7,16 @@ values until a hook reads them, so a hook that reads only every N steps
 leaves the host free to queue the next window.
 """
 
+import functools
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from stalepipe.pipeline import executor
 from stalepipe.train import loop
-
-_EVAL_BATCH = 512
-
 
 @jax.jit
 def all_finite(tree: Any) -> jax.Array:
@@ -26,17 +25,78 @@ def all_finite(tree: Any) -> jax.Array:
                             for x in jax.tree.leaves(tree)]))
 
 
-def evaluate(model_fn, params, x: np.ndarray, y: np.ndarray,
-             loss_fn) -> tuple[float, float]:
-  """Mean loss and accuracy (per label: per token for a language model)."""
-  total_loss, correct, count = 0.0, 0.0, 0
-  for i in range(0, len(x), _EVAL_BATCH):
-    logits = model_fn(params, jnp.asarray(x[i:i + _EVAL_BATCH]))
-    labels = jnp.asarray(y[i:i + _EVAL_BATCH])
-    total_loss += float(loss_fn(logits, labels)) * len(labels)
-    correct += float(jnp.sum(jnp.argmax(logits, -1) == labels))
-    count += len(labels)
-  return total_loss / count, correct / (count * np.prod(y.shape[1:]))
+def eval_rows(num_examples: int,
+              window_shape: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+  """The test set's rows in windows of the step's shape, and their weights.
+
+  Rows `0 .. n-1` in order fill K windows `[B, M, D*b]`; the last is padded
+  with rows from the start again (real examples, so the padding's outputs
+  are finite), each of weight 0.
+
+  Args:
+    num_examples: n, the test set's size.
+    window_shape: `[B, M, D, b]` (`build.Parts.window_shape`).
+
+  Returns:
+    Row indices `[K, B, M, D*b]` and weights `[K, B, M, D*b]` (1: a real
+    example, 0: padding).
+
+  Examples:
+    >>> rows, weights = eval_rows(5, (1, 1, 2, 2))
+    >>> rows.tolist()
+    [[[[0, 1, 2, 3]]], [[[4, 0, 1, 2]]]]
+    >>> weights.ravel().tolist()
+    [1.0, 1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0]
+  """
+  B, M, D, b = window_shape
+  per_window = B * M * D * b
+  if num_examples < 1:
+    raise ValueError(f"a test set of {num_examples} examples is invalid; "
+                     "valid: at least 1")
+  num_windows = -(-num_examples // per_window)
+  index = np.arange(num_windows * per_window).reshape(
+      (num_windows, B, M, D * b))
+  return index % num_examples, (index < num_examples).astype(np.float32)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _window_sums(loss_fn, outputs, targets, weights):
+  """The loss and the correct labels summed over a window's real examples.
+
+  Each example's loss is `loss_fn` of it alone, so their mean over the test
+  set is `loss_fn`'s mean over it whatever the windows (every example has
+  the same number of labels)."""
+  def one(y, t):
+    return loss_fn(y[None], t[None])
+
+  losses = jax.vmap(jax.vmap(jax.vmap(one)))(outputs, targets)  # [B, M, D*b]
+  correct = jnp.sum(jnp.argmax(outputs, -1) == targets,
+                    axis=tuple(range(3, targets.ndim)))
+  real = weights > 0
+  return (jnp.sum(jnp.where(real, losses, 0.0)),
+          jnp.sum(jnp.where(real, correct, 0)))
+
+
+def evaluate(pipe, state, x: np.ndarray, y: np.ndarray, loss_fn,
+             window_shape: Sequence[int]) -> tuple[float, float]:
+  """Mean test loss and accuracy (per label: per token for a language model)
+  through the mesh: `pipe.evaluate` on the latest weights of `state`, over
+  the test set `(x, y)` cut into windows of the step's shape (`eval_rows`).
+
+  The padding of the last window counts in neither figure, so both equal the
+  unpipelined model's on the same weights. A collective: every process calls
+  it with the whole test set and passes `pipe.evaluate` its own slice.
+  """
+  rows, weights = eval_rows(len(x), window_shape)
+  sums = []
+  for k in range(len(rows)):
+    inputs, targets, real = pipe.place(executor.process_slice(
+        (x[rows[k]], y[rows[k]], weights[k]), pipe.mesh))
+    outputs = pipe.evaluate(state, inputs, targets)["outputs"]
+    sums.append(_window_sums(loss_fn, outputs, targets, real))
+  count = len(x)
+  loss_sum, correct = (sum(float(s[i]) for s in sums) for i in range(2))
+  return loss_sum / count, correct / (count * np.prod(y.shape[1:]))
 
 
 def training_loss(metrics: dict[str, Any]) -> float | None:
@@ -107,7 +167,11 @@ class Log:
 
 
 class Evaluate:
-  """Test loss and accuracy every `every` steps (a record of its own)."""
+  """Test loss and accuracy every `every` steps (a record of its own).
+
+  The evaluation at `num_steps` is the trainer's, after the drain (`final`),
+  so a run's last figures are those of the weights it writes.
+  """
 
   def __init__(self, every: int, num_steps: int, evaluate_fn, writer, console):
     self.every, self._num_steps = every, num_steps
@@ -116,8 +180,17 @@ class Evaluate:
     self._last = None  # (step, test loss, accuracy)
 
   def __call__(self, run: loop.Run) -> None:
+    if run.step < self._num_steps:
+      self._show(run.step, *self.at(run))
+
+  def final(self, run: loop.Run) -> tuple[float, float]:
+    """Test loss and accuracy of the run's final (drained) state, shown."""
     test_loss, accuracy = self.at(run)
-    self._console.print(f"step {run.step}/{self._num_steps}  test loss "
+    self._show(run.step, test_loss, accuracy)
+    return test_loss, accuracy
+
+  def _show(self, step: int, test_loss: float, accuracy: float) -> None:
+    self._console.print(f"step {step}/{self._num_steps}  test loss "
                         f"{test_loss:.4f}  test accuracy {accuracy:.2%}")
 
   def at(self, run: loop.Run) -> tuple[float, float]:

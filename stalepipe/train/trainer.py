@@ -9,6 +9,13 @@ its workdir, which it holds locked (`workdir.lock`) while it runs:
   position. A run started on a workdir that holds a checkpoint resumes from
   it and ends with exactly the parameters of the uninterrupted run.
 
+Evaluation runs through the mesh (`Pipeline.evaluate`, `hooks.evaluate`).
+A run that reaches `num_steps` drains its pipeline (`Pipeline.drain`: the
+minibatches an asynchronous schedule still has in flight finish), then
+evaluates and writes `params.npz` from the drained weights; its last
+checkpoint holds the state before the drain, so a larger `num_steps`
+continues it as if it had never stopped.
+
 The config is checked whole by building its parts (`build.parts`) before
 anything is written. Intervals (`log_every`, `eval_every`,
 `checkpoint_every`) count steps, i.e. minibatches; each is honoured at the
@@ -26,8 +33,8 @@ from typing import Any, Sequence
 import jax
 import ml_collections
 import numpy as np
+from jax.experimental import multihost_utils
 
-from stalepipe import models
 from stalepipe import sync as sync_lib
 from stalepipe.train import build
 from stalepipe.train import checkpoint as checkpoint_lib
@@ -60,16 +67,17 @@ def train(parts: build.Parts, workdir: str, hooks: Sequence[Any] = (),
       to `<workdir>/previous-N/` first (nothing is deleted).
 
   Returns:
-    The summary: final evaluation, steps (minibatches), training throughput
-    (without evaluation and checkpoints), and `preempted` (the signal's
-    name) if a signal stopped the run.
+    The summary: final evaluation (on the drained weights), what the drain
+    did, steps (minibatches), training throughput (without evaluation and
+    checkpoints), and `preempted` (the signal's name) if a signal stopped
+    the run (not drained).
 
   Raises:
     ValueError: on a workdir another run holds, one that holds a run's
       results but no checkpoint to resume (unless `fresh`), no checkpoint
       that verifies,
       a foreign checkpoint, `num_steps` below the checkpoint's step, or a
-      NaN/inf loss (naming the step).
+      NaN/inf loss (naming the step; the drain's too).
     checkpoint_lib.CheckpointError: if a checkpoint cannot be written.
   """
   with workdir_lib.lock(workdir), preemption_lib.Preemption() as preemption:
@@ -153,8 +161,9 @@ def _train(parts: build.Parts, workdir: str,
     if why != "done":
       return {"preempted": why, "steps": end.step,
               "checkpoint": f"{ckpt.directory}/{end.step}"}
+    end, drained = _drain(pipe, end, ckpt)
     return _summary(parts, workdir, end, first, ckpt, writer, throughput,
-                    evaluation, preemption)
+                    evaluation, preemption, drained)
   finally:  # whatever happened: pending saves end, threads and files close
     console.close()
     try:
@@ -165,11 +174,34 @@ def _train(parts: build.Parts, workdir: str,
         writer.close()
 
 
+def _drain(pipe, end: loop.Run, ckpt) -> tuple[loop.Run, dict[str, Any]]:
+  """The run's end with the minibatches still in flight finished
+  (`Pipeline.drain`; its checkpoint, saved and waited for, keeps the state
+  before), and what the drain did: the minibatches it finished (the most
+  updates it applied to a stage) and the mean loss of the forwards it ran
+  (None where it ran none)."""
+  def latest(state):  # updates applied per stage, [D, S]
+    return np.asarray(multihost_utils.process_allgather(state.ring.latest,
+                                                        tiled=True))
+
+  before = latest(end.state)
+  state, metrics = pipe.drain(end.state)  # donates the state it drains
+  n = int(metrics["num_losses"])
+  loss = float(metrics["loss"]) if n else None
+  if ((loss is not None and not np.isfinite(loss))
+      or not bool(hooks_lib.all_finite(state.ring.params))):
+    raise ValueError(f"loss {loss} or weights not finite in the drain after "
+                     f"step {end.step}; run stopped, last good checkpoint: "
+                     f"{ckpt.directory}/{ckpt.latest_step()}")
+  return end._replace(state=state), {
+      "drained_minibatches": int((latest(state) - before).max()),
+      "drained_loss": loss, "drained_num_losses": n}
+
+
 def _hooks(parts, config_dict, ckpt, writer, console, preemption):
   """The trainer's own hooks, in the order they run after a window; the
   throughput and evaluation hooks again, which the summary reads."""
   config, pipe, B = parts.config, parts.pipeline, parts.steps_per_window
-  model_fn = jax.jit(models.unpipelined(parts.staged))
   # [replicas, minibatches]: what each forward missed, sync policy included.
   observed = sync_lib.ObservedStaleness(parts.schedule, pipe.sync,
                                         config.num_steps)
@@ -200,8 +232,8 @@ def _hooks(parts, config_dict, ckpt, writer, console, preemption):
             **metrics_lib.memory_bytes()}
 
   def evaluate(state) -> tuple[float, float]:
-    return hooks_lib.evaluate(model_fn, pipe.params(state), *parts.test,
-                              parts.loss_fn)
+    return hooks_lib.evaluate(pipe, state, *parts.test, parts.loss_fn,
+                              parts.window_shape)
 
   timer = loop.Timer()
   throughput = hooks_lib.Throughput(B, timer, on_start=console.start)
@@ -221,10 +253,11 @@ def _hooks(parts, config_dict, ckpt, writer, console, preemption):
 
 
 def _summary(parts, workdir, end, first, ckpt, writer, throughput,
-             evaluation, preemption) -> dict[str, Any]:
-  """The final evaluation, summary.json, weights and plots."""
+             evaluation, preemption, drained) -> dict[str, Any]:
+  """The final evaluation, summary.json, weights and plots, of the drained
+  state `end.state`; `drained`: what the drain did (`_drain`)."""
   config, pipe = parts.config, parts.pipeline
-  test_loss, accuracy = evaluation.at(end)
+  test_loss, accuracy = evaluation.final(end)
   losses_seen = [r["loss"] for r in writer.records if "loss" in r]
   rate = throughput.steps_per_s
   if rate is None:  # nothing left to train: the last logged figure
@@ -233,7 +266,7 @@ def _summary(parts, workdir, end, first, ckpt, writer, throughput,
   summary = {
       "test_loss": test_loss, "test_accuracy": accuracy,
       "final_training_loss": losses_seen[-1] if losses_seen else None,
-      "steps": end.step, "resumed_from_step": first or None,
+      "steps": end.step, **drained, "resumed_from_step": first or None,
       "skipped_checkpoints": ckpt.skipped,
       # Training only: from the end of the first (compiling) window to the
       # last, without evaluation and checkpoints.
