@@ -6,7 +6,11 @@ trained by the shard_map executor with a global-norm-clipped optimizer on
 1F1B, checked against the sequential oracle, and merged back into the module
 (`sp.models.merge`) for evaluation in plain Flax. Between stages travels a
 pytree: the bfloat16 hidden state, the float attention mask and the int32
-token ids (each in its own dtype, never cast).
+token ids (each in its own dtype, never cast). Stage 1 also holds a
+BatchNorm (its running statistics are the stage's state, carried by the
+pipeline and merged back), every middle stage adds an auxiliary loss on its
+activations' size, and the loss function reports the token accuracy, a
+metric `step` returns.
 
   PYTHONPATH=. .venv/bin/python experiments/your_model.py [--schedule 1f1b]
 
@@ -31,6 +35,7 @@ _SCHEDULE = flags.DEFINE_string("schedule", "1f1b", "a flush schedule")
 _WINDOWS = flags.DEFINE_integer("windows", 3, "windows to train")
 
 VOCAB, LENGTH, WIDTH = 512, 8, 32
+AUX = 0.01  # weight of the middle stages' auxiliary loss
 
 
 class Block(nnx.Module):
@@ -61,6 +66,7 @@ class LM(nnx.Module):
                                                   (LENGTH, WIDTH)))
     self.blocks = nnx.List([Block(WIDTH, rngs) for _ in range(layers)])
     self.ln_f = nnx.LayerNorm(WIDTH, rngs=rngs)
+    self.bn = nnx.BatchNorm(WIDTH, rngs=rngs)  # on stage 1's output
     self.head = nnx.Linear(WIDTH, VOCAB, rngs=rngs)
 
 
@@ -73,11 +79,15 @@ def first(m: LM, ids, *, key, train):
 
 
 def middle(i: int):
-  """Stage i: block i, passing the mask and ids along."""
+  """Stage i: block i, passing the mask and ids along, with an auxiliary
+  loss on the activations' mean square (and stage 1 a BatchNorm)."""
   def stage(m: LM, x, *, key, train):
     h = m.blocks[i](x["h"].astype(jnp.float32), x["mask"], key=key,
                     train=train)
-    return {**x, "h": h.astype(jnp.bfloat16)}
+    if i == 1:
+      h = m.bn(h, use_running_average=not train)
+    return sp.pipeline.stage.Output({**x, "h": h.astype(jnp.bfloat16)},
+                                    loss=AUX * jnp.mean(h ** 2))
   return stage
 
 
@@ -89,8 +99,10 @@ def last(m: LM, x, *, key, train):
 
 
 def loss_fn(logits, targets):
-  return optax.softmax_cross_entropy_with_integer_labels(logits,
-                                                         targets).mean()
+  """Next-token cross-entropy, and the token accuracy as a metric."""
+  accuracy = jnp.mean((jnp.argmax(logits, -1) == targets).astype(jnp.float32))
+  return optax.softmax_cross_entropy_with_integer_labels(
+      logits, targets).mean(), {"accuracy": accuracy}
 
 
 def build(num_stages: int, seed: int = 0):
@@ -122,24 +134,25 @@ def main(argv):
   oracle = sp.pipeline.reference.Pipeline(staged.stage_fns, loss_fn, schedule,
                                           optimizer, num_replicas=D, seed=0)
   print(f"optimizer scope: {pipe.optimizer_scope}")
-  state, ostate = pipe.init(staged.stage_params), oracle.init(
-      staged.stage_params)
+  state = pipe.init(staged.stage_params, staged.stage_states)
+  ostate = oracle.init(staged.stage_params, staged.stage_states)
   for x, y in windows(_WINDOWS.value, B, M, 2 * D):
     state, metrics = pipe.step(state, x, y)
     ostate, _ = oracle.step(ostate, x, y)
     print(f"loss {float(metrics['loss']):.4f}  "
+          f"accuracy {float(metrics['accuracy']):.4f}  "
           f"{metrics['tokens_per_s']:.0f} tokens/s")
   gap = max(float(np.max(np.abs(np.asarray(a, np.float32) - b)))
             for a, b in zip(jax.tree.leaves(pipe.params(state)),
                             jax.tree.leaves(oracle.params(ostate))))
   print(f"executor vs oracle, largest weight difference: {gap:.2e}")
-  sp.models.merge(model, pipe.params(state))
+  sp.models.merge(model, pipe.params(state), pipe.stage_states(state))
   x, y = next(windows(1, 1, 1, 4, seed=9))
   h = first(model, x[0, 0], key=jax.random.key(0), train=False)
   for i in range(1, S - 1):
-    h = middle(i)(model, h, key=jax.random.key(0), train=False)
+    h = middle(i)(model, h, key=jax.random.key(0), train=False).value
   logits = last(model, h, key=jax.random.key(0), train=False)
-  print(f"merged model, eval loss: {float(loss_fn(logits, y[0, 0])):.4f}")
+  print(f"merged model, eval loss: {float(loss_fn(logits, y[0, 0])[0]):.4f}")
 
 
 if __name__ == "__main__":

@@ -241,7 +241,8 @@ def test_cut_carries_batch_norm_statistics_like_unpipelined_training():
   graphdef, params, stats = nnx.split(model, nnx.Param, nnx.BatchStat)
 
   def objective(params, stats, x, y):
-    m = nnx.merge(graphdef, params, stats)
+    # Fresh Variables in this trace: NNX mutates the statistics in place.
+    m = nnx.merge(graphdef, params, jax.tree.map(lambda v: v, stats))
     loss = cross_entropy(_back(m, _front(m, x, train=True)), y)
     return loss, nnx.state(m, nnx.BatchStat)
 

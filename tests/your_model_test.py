@@ -34,11 +34,16 @@ def _train(name, optimizer, **kw):
   ref = reference.Pipeline(staged.stage_fns, EXAMPLE["loss_fn"], schedule,
                            optimizer, num_replicas=D, seed=3, **kw)
   data = list(EXAMPLE["windows"](2, B, M, 2 * D))
-  state, rstate = pipe.init(staged.stage_params), ref.init(staged.stage_params)
+  state = pipe.init(staged.stage_params, staged.stage_states)
+  rstate = ref.init(staged.stage_params, staged.stage_states)
   for x, y in data:
-    state, _ = pipe.step(state, x, y)
-    rstate, _ = ref.step(rstate, x, y)
-  return model, staged, pipe.params(state), ref.params(rstate), data
+    state, metrics = pipe.step(state, x, y)
+    rstate, rmetrics = ref.step(rstate, x, y)
+    if rmetrics["num_losses"]:
+      for k in ("loss", "accuracy"):
+        np.testing.assert_allclose(metrics[k], rmetrics[k], atol=ATOL)
+  return model, staged, (pipe.params(state), pipe.stage_states(state)), (
+      ref.params(rstate), ref.stage_states(rstate)), data
 
 
 def _close(got, want, atol):
@@ -56,29 +61,42 @@ ATOL = 1e-4
 def test_cut_model_with_global_norm_equals_oracle_and_unpipelined(name):
   model, staged, got, want, data = _train(name, _optimizer())
   _close(got, want, ATOL)
-  # Unpipelined: the stages composed, keys as the pipeline derives them.
+  # Unpipelined: the stages composed, keys as the pipeline derives them, the
+  # auxiliary losses added, the BatchNorm statistics updated by each
+  # micro-batch's forward in order.
   fns, params = staged.stage_fns, tuple(staged.stage_params)
+  states = list(staged.stage_states)
   opt = _optimizer()
   opt_state = opt.init(params)
   p = 0
   for x, y in data:
     for i in range(B):
-      def loss(ps, m):
-        h = x[i, m]
+      def loss(ps, states, m):
+        h, aux, new = x[i, m], 0.0, list(states)
         for s in range(S):
           key = jax.random.wrap_key_data(
               sp.pipeline.stage.key_data(3, p, m, s, 0))  # pylint: disable=cell-var-from-loop
-          h = fns[s](ps[s], h, key=key, train=True)
-        return EXAMPLE["loss_fn"](h, y[i, m])  # pylint: disable=cell-var-from-loop
-      grads = [jax.grad(loss)(params, m) for m in range(M)]
+          kw = {} if states[s] is None else {"state": states[s]}
+          out = fns[s](ps[s], h, key=key, train=True, **kw)
+          if isinstance(out, sp.pipeline.stage.Output):
+            h, aux = out.value, aux + out.loss
+            new[s] = out.state if states[s] is not None else None
+          else:
+            h = out
+        return EXAMPLE["loss_fn"](h, y[i, m])[0] + aux, new  # pylint: disable=cell-var-from-loop
+      grads = []
+      for m in range(M):
+        g, states = jax.grad(loss, has_aux=True)(params, states, m)
+        grads.append(g)
       mean = jax.tree.map(lambda *g: sum(g) / M, *grads)
       updates, opt_state = opt.update(mean, opt_state, params)
       params = optax.apply_updates(params, updates)
       p += 1
-  _close(got, params, ATOL)
-  # Merged back, the module holds the trained weights.
-  sp.models.merge(model, got)
-  np.testing.assert_array_equal(model.pos[...], got[0]["pos"])
+  _close(got, (params, states), ATOL)
+  # Merged back, the module holds the trained weights and statistics.
+  sp.models.merge(model, *got)
+  np.testing.assert_array_equal(model.pos[...], got[0][0]["pos"])
+  np.testing.assert_array_equal(model.bn.mean[...], got[1][1]["bn.mean"])
 
 
 def test_asynchronous_schedule_with_global_norm_is_refused():
@@ -121,3 +139,38 @@ def test_cut_refuses_lost_and_tied_parameters_and_uncarried_state():
                      "0 and 1"):
     sp.models.cut(Normed(), [lambda m, x: m.bn(x), lambda m, x: m.bn(x)],
                   jax.ShapeDtypeStruct((2, 4), jnp.float32))
+
+
+@pytest.mark.slow
+def test_resume_with_dropout_and_statistics_is_bit_exact():
+  """The LM (dropout, a BatchNorm'd stage, auxiliary losses) on PipeDream,
+  saved to the host after one window and restored into a fresh pipeline,
+  continues bit for bit: weights and statistics."""
+  _, staged = EXAMPLE["build"](S)
+  schedule = sp.schedules.make("pipedream", num_stages=S, num_microbatches=M,
+                               num_minibatches=2)
+  mesh = jax.make_mesh((D, S), ("data", "stage"))
+  make = lambda: executor.Pipeline(  # pylint: disable=unnecessary-lambda-assignment
+      staged.stage_fns, EXAMPLE["loss_fn"], schedule, optax.sgd(0.5), mesh,
+      seed=3)
+  data = list(EXAMPLE["windows"](3, 2, M, 2 * D))
+  straight = make()
+  state = straight.init(staged.stage_params, staged.stage_states)
+  for x, y in data:
+    state, _ = straight.step(state, x, y)
+  first = make()
+  saved, _ = first.step(first.init(staged.stage_params, staged.stage_states),
+                        *data[0])
+  host, shardings = jax.device_get(saved), jax.tree.map(lambda v: v.sharding,
+                                                        saved)
+  resumed = make()
+  resumed.init(staged.stage_params, staged.stage_states)
+  restored = jax.tree.map(jax.device_put, host, shardings)
+  for x, y in data[1:]:
+    restored, _ = resumed.step(restored, x, y)
+  for a, b in zip(jax.tree.leaves((resumed.params(restored),
+                                   resumed.stage_states(restored))),
+                  jax.tree.leaves((straight.params(state),
+                                   straight.stage_states(state))),
+                  strict=True):
+    np.testing.assert_array_equal(a, b)

@@ -234,6 +234,7 @@ def cut(module: nnx.Module, stages: Sequence[Callable], example) -> Staged:
     _claim(owned_stats, [n for n, u in zip(stat_names, used_stats) if u], s,
            "statistic")
     x = jax.eval_shape(read, *args)[0]
+    x = x.value if isinstance(x, stage_lib.Output) else x
     fns.append(_module_stage(stage, rebuild, owned_stats[-1]))
   lost = [n for n in names if not any(n in o for o in owned)]
   if lost:

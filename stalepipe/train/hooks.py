@@ -151,8 +151,10 @@ class Log:
     self._logged = None
 
   def __call__(self, run: loop.Run) -> None:
+    # A stage metric is NaN, like the loss, in a window where no minibatch
+    # finished: left out, never written as NaN.
     record = {k: float(v) for k, v in run.metrics.items()
-              if np.ndim(v) == 0 and k != "loss"}
+              if np.ndim(v) == 0 and k != "loss" and np.isfinite(float(v))}
     loss = training_loss(run.metrics)
     if loss is not None:
       record["loss"] = loss
