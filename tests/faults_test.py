@@ -12,12 +12,13 @@ import os
 import pathlib
 import resource
 import signal
-import socket
 import subprocess
 import sys
 import time
 
 import pytest
+
+from tests import launching
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -148,14 +149,7 @@ def test_a_window_far_too_large_is_refused_before_the_pipeline_is_built(
       build.parts(tiny(**overrides))
 
 
-def _launch(*args, workdir, env=None, **kwargs):
-  env = dict(os.environ, **(env or {}))
-  env.pop("XLA_FLAGS", None)
-  return subprocess.run(
-      [sys.executable, str(ROOT / "launch.py"),
-       *([f"--workdir={workdir}"] if workdir is not None else []), *args],
-      cwd=kwargs.pop("cwd", ROOT), env=env, capture_output=True, text=True,
-      timeout=300, **kwargs)
+_launch = launching.launch
 
 
 def _one_line(result) -> str:
@@ -271,10 +265,7 @@ def test_a_metrics_write_that_fails_ends_in_one_line(tmp_path):
   assert line.startswith("writing ") and "File too large" in line, line
 
 
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
+_free_port = launching.free_port
 
 
 @pytest.mark.slow

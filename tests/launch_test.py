@@ -14,15 +14,12 @@ import time
 
 import pytest
 
+from tests import launching
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-def _launch(*args, workdir, **kwargs):
-  env = dict(os.environ)
-  env.pop("XLA_FLAGS", None)  # the launcher sets up its own devices
-  return subprocess.run(
-      [sys.executable, "launch.py", f"--workdir={workdir}", *args], cwd=ROOT,
-      env=env, capture_output=True, text=True, timeout=300, **kwargs)
+_launch = launching.launch
 
 
 def _one_error_line(result) -> str:

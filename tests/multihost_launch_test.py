@@ -19,6 +19,8 @@ import time
 import numpy as np
 import pytest
 
+from tests import launching
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 FLAGS = ["--config=configs/pipedream.py", "--config.num_steps=24",
          "--config.model_kwargs.hidden=16", "--config.eval_every=0",
@@ -26,10 +28,7 @@ FLAGS = ["--config=configs/pipedream.py", "--config.num_steps=24",
          "--config.log_every=12"]
 
 
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
+_free_port = launching.free_port
 
 
 def _env(devices: int) -> dict[str, str]:

@@ -2,20 +2,18 @@
 
 import json
 import pathlib
-import socket
 import subprocess
 import sys
 
 import numpy as np
 import pytest
 
+from tests import launching
+
 WORKER = pathlib.Path(__file__).with_name("multihost_worker.py")
 
 
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
+_free_port = launching.free_port
 
 
 def _run(num_processes, out, *args):

@@ -10,11 +10,12 @@ must end with code 0 and say nothing on stderr.
 """
 
 import pathlib
-import socket
 import subprocess
 import sys
 
 import pytest
+
+from tests import launching
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 WORKER = """
@@ -31,10 +32,7 @@ assert not lost, lost
 """
 
 
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
+_free_port = launching.free_port
 
 
 @pytest.mark.slow

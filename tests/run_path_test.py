@@ -5,13 +5,14 @@ import json
 import os
 import pathlib
 import signal
-import subprocess
 import sys
 import time
 
 import ml_collections
 import numpy as np
 import pytest
+
+from tests import launching
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -168,15 +169,7 @@ def test_a_transform_that_is_no_transform_is_refused_by_the_check():
     build.parts(config)
 
 
-def _launch(*args, workdir, wait=True):
-  env = dict(os.environ)
-  env.pop("XLA_FLAGS", None)
-  cmd = [sys.executable, "launch.py", f"--workdir={workdir}", *args]
-  if not wait:
-    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-  return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True,
-                        text=True, timeout=300)
+_launch = launching.launch
 
 
 def test_delay_aware_momentum_is_refused_before_the_first_line(tmp_path):

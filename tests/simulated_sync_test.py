@@ -22,7 +22,7 @@ sys.path.insert(0, str(ROOT))
 
 import stalepipe as sp  # pylint: disable=g-import-not-at-top
 from stalepipe.train import build  # pylint: disable=g-import-not-at-top
-from tests.run_path_test import _launch  # pylint: disable=g-import-not-at-top
+from tests.launching import launch as _launch  # pylint: disable=g-import-not-at-top
 from tests.run_path_test import tiny  # pylint: disable=g-import-not-at-top
 
 simulated = importlib.import_module("stalepipe.sync.simulated")
