@@ -75,10 +75,10 @@ class Knowledge:
                                   else self.dense.copy())
     own = self.version = iteration + 1
     self.saved.pop(own - self.depth, None)
-    blocks = _blocks(groups)
-    if any(b.shape == (1, self.n) for b in blocks):  # disjoint: the only one
+    if len(groups) == 1 and len(groups[0]) == self.n:  # all average
       self.common, self.dense = own, None
       return
+    blocks = _blocks(groups)
     if blocks and self.dense is None:
       self.dense = np.full((self.n, self.n), self.common, self.dtype)
     if self.dense is not None:
@@ -93,6 +93,8 @@ class Knowledge:
     else:
       read = self.saved[version]
     if np.isscalar(read):
+      if not floor.any():
+        return np.full(self.n, version + (self.n - 1) * read, np.int64)
       return (np.maximum(version, floor)
               + (self.n - 1) * np.maximum(read, floor)).astype(np.int64)
     if floor.any():

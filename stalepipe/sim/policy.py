@@ -98,14 +98,6 @@ def fifo(arrivals: np.ndarray, service: float) -> np.ndarray:
   return finish
 
 
-def averaged(ctx: Context, stage: int, group: np.ndarray, start: float
-             ) -> tuple[float, CommEvent]:
-  """A group ring-averages its models from `start`: `(end, event)`."""
-  end = start + ctx.group_seconds(stage, group)
-  n = len(group)
-  return end, CommEvent(group, np.full(n, start), np.full(n, end))
-
-
 class Runner:
   """One simulation's policy state; the default never syncs."""
 
@@ -149,12 +141,16 @@ class _BSPRunner(Runner):
     super().__init__(ctx)
     self.every = every
     self.everyone = np.arange(ctx.num_pipelines)
+    self.seconds = [ctx.group_seconds(s, self.everyone)
+                    for s in range(ctx.cluster.num_stages)]
 
   def sync(self, stage, minibatch, ready):
     if (minibatch + 1) % self.every:
       return SyncOutcome(applied=ready)
-    end, event = averaged(self.ctx, stage, self.everyone, ready.max())
-    return SyncOutcome(np.full(len(ready), end), (self.everyone,), (event,))
+    start = ready.max()
+    end = np.full(len(ready), start + self.seconds[stage])
+    event = CommEvent(self.everyone, np.full(len(ready), start), end)
+    return SyncOutcome(end, (self.everyone,), (event,))
 
 
 @dataclasses.dataclass(frozen=True)
