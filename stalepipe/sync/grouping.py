@@ -25,8 +25,6 @@ import collections.abc
 
 import numpy as np
 
-_SWEEPS = 3  # breadth-first sweeps before the rest is labelled
-
 
 class Groups(collections.abc.Sequence):
   """Disjoint groups of workers, in time order: a sequence of index arrays.
@@ -100,10 +98,10 @@ def window_groups(ready: np.ndarray, window: float) -> tuple[Groups, list]:
 def components(labels: np.ndarray, start: int = 0) -> tuple[np.ndarray, int]:
   """Components of the graph joining workers that share a label in any row.
 
-  A few sweeps of breadth-first search from `start` (in SDPipe's sync graph,
-  a member of the largest group: most workers are reached at once), then
-  min-label propagation with pointer jumping over the workers not reached,
-  with the reached ones as one node.
+  Breadth-first search from `start` (in SDPipe's sync graph, a member of
+  the largest group: most workers are reached at once) until it reaches no
+  one new, then min-label propagation with pointer jumping over the few
+  workers not reached.
 
   Args:
     labels: `[rows, N]` non-negative ints, distinct across rows (each row a
@@ -122,28 +120,31 @@ def components(labels: np.ndarray, start: int = 0) -> tuple[np.ndarray, int]:
   hit = np.zeros(int(labels.max()) + 1, bool)
   reached = np.zeros(N, bool)
   reached[start] = True
-  for _ in range(_SWEEPS):
-    hit[labels[:, reached]] = True
-    reached = hit[labels].any(axis=0)
+  frontier, size = reached, 1
+  while True:
+    hit[labels[:, frontier]] = True
+    now = hit[labels].any(axis=0)
+    grown = int(np.count_nonzero(now))
+    if grown == size:
+      break
+    frontier, reached, size = now & ~reached, now, grown
   comp = np.full(N, start)
   if reached.all():
     return comp, 1
-  hit[labels[:, reached]] = True
   rest = np.flatnonzero(~reached)
   sub = labels[:, rest]
-  ids = np.where(hit[sub].any(axis=0), -1, rest)  # -1: joins `start`
+  ids = rest
   low = np.zeros(len(hit), np.int64)
   while True:
     low[sub] = N
     np.minimum.at(low, sub, np.broadcast_to(ids, sub.shape))
     new = np.minimum(ids, low[sub].min(axis=0))
-    linked = new >= 0  # pointer jumping through the other workers' ids
-    new[linked] = new[np.searchsorted(rest, new[linked])]
+    new = new[np.searchsorted(rest, new)]  # pointer jumping
     if np.array_equal(new, ids):
       break
     ids = new
-  comp[rest] = np.where(ids < 0, start, ids)
-  return comp, len(np.unique(ids[ids >= 0])) + 1
+  comp[rest] = ids
+  return comp, len(np.unique(ids)) + 1
 
 
 def enforce(groups: Groups, starts: list, history: np.ndarray,
