@@ -170,13 +170,13 @@ def test_scheduler_decides_as_union_find_on_random_ready_times():
     assert new.skipped == old.skipped
 
 
-def test_components_equal_breadth_first_search():
+def test_components_equal_union_find():
   rng = np.random.default_rng(1)
   for _ in range(200):
     R, N = int(rng.integers(1, 6)), int(rng.integers(1, 30))
     rows = rng.integers(0, int(rng.integers(1, N + 1)), (R, N))
     rows += (N * np.arange(R))[:, None]
-    comp, count = grouping.components(rows, start=int(rng.integers(N)))
+    comp, count = grouping.components(rows)
     uf = sdpipe_oracle.sync_graph(
         N, [np.flatnonzero(row == label) for row in rows
             for label in np.unique(row)])
