@@ -416,7 +416,8 @@ def start_run(schedule: core.Schedule, cluster: cluster_lib.Cluster,
   delay, multiplier = stragglers_lib.slowdowns(perturbations, (B, N, S),
                                                straggler_rng)
   speed = cluster.speed  # [N, S]
-  scale = np.ascontiguousarray((multiplier / speed[None]).transpose(0, 2, 1))
+  scale = np.divide(multiplier.transpose(0, 2, 1), speed.T[None],
+                    out=np.empty((B, S, N)))
   delay = np.ascontiguousarray(delay.transpose(0, 2, 1))  # [B, S, N]
   update = np.asarray(costs.update)[None, :, None] * scale  # [B, S, N]
   runner = policy.start(policy_lib.Context(cluster, costs, B, policy_rng))
@@ -499,8 +500,20 @@ def _transfers(plan: Program, cluster: cluster_lib.Cluster,
 def _staleness(applied: np.ndarray, reflected: np.ndarray) -> np.ndarray:
   """`[N, B, S]`: updates in place anywhere before each, minus reflected
   (`[S, B, N]`, overwritten)."""
+  _, B1, N = applied.shape
+  index = np.arange((B1 - 1) * N)
+  fresher = np.empty((N, B1 - 1), np.int64)
   for s in range(len(applied)):
-    times = applied[s, 1:]
-    fresher = np.searchsorted(np.sort(times, axis=None), times, side="left")
-    np.subtract(fresher, reflected[s], out=reflected[s])
+    # Versions are applied in order on each pipeline: N sorted runs, which
+    # a stable sort merges; an update's rank is that of its first equal.
+    times = applied[s, 1:].T.ravel()
+    order = np.argsort(times, kind="stable")
+    ranked = times[order]
+    first = np.empty(len(ranked), bool)
+    first[:1] = True
+    np.not_equal(ranked[1:], ranked[:-1], out=first[1:])
+    rank = np.where(first, index, 0)
+    np.maximum.accumulate(rank, out=rank)
+    fresher.ravel()[order] = rank
+    np.subtract(fresher.T, reflected[s], out=reflected[s])
   return reflected.transpose(2, 1, 0)

@@ -46,9 +46,10 @@ class Stragglers:
 
   def sample(self, shape: tuple[int, int, int], rng: np.random.Generator
              ) -> tuple[np.ndarray, np.ndarray]:
-    """`(delay, multiplier)`, each `[iterations, pipelines, stages]`."""
+    """`(delay, multiplier)`, each `[iterations, pipelines, stages]` (the
+    constant one read-only)."""
     hit = rng.random(shape) < self.probability
-    return hit * self.delay, np.ones(shape)
+    return hit * self.delay, np.broadcast_to(1.0, shape)
 
 
 def hete(setting: str, model: str = "resnet") -> Stragglers:
@@ -106,8 +107,8 @@ class Trace:
     rows = np.arange(iterations) % self.values.shape[0]
     grid = self.values[rows].reshape(shape)
     if self.kind == "delay":
-      return grid, np.ones(shape)
-    return np.zeros(shape), grid
+      return grid, np.broadcast_to(1.0, shape)
+    return np.broadcast_to(0.0, shape), grid
 
 
 def load_trace(path: str, kind: str = "multiplier") -> Trace:
