@@ -62,6 +62,7 @@ class Knowledge:
     self.version = 0  # the version the current value belongs to
     self.common = 0  # the off-diagonal count while uniform
     self.dense = None  # [N, N] once a group has left some replicas out
+    self.sums = None  # [N] the dense matrix's row sums
     self.saved = {}  # version -> common count, or a copy of the matrix
 
   def update(self, iteration: int, groups) -> None:
@@ -85,19 +86,25 @@ class Knowledge:
       runs, blocks = _runs(groups), []
     else:
       runs, blocks = None, _blocks(groups)
-    if (runs or blocks) and self.dense is None:
+    if self.dense is not None:
+      self.sums += 1  # the diagonal, from p to p + 1
+    elif runs or blocks:
       self.dense = np.full((self.n, self.n), self.common, self.dtype)
-    if self.dense is None:
+      self.sums = np.full(self.n, (self.n - 1) * self.common + own,
+                          self.sum_dtype)
+    else:
       return
     self.dense.flat[::self.n + 1] = own
     if runs:
-      _merge_runs(self.dense, *runs)
+      _merge_runs(self.dense, self.sums, *runs)
     for block in blocks:
-      _merge(self.dense, block)
+      _merge(self.dense, self.sums, block)
 
   def reflected(self, version: int, floor: np.ndarray) -> np.ndarray:
     """`[N]` updates reflected by weights of `version` under `floor` `[N]`."""
     if version == self.version:
+      if self.dense is not None and not floor.any():
+        return self.sums.copy()
       read = self.common if self.dense is None else self.dense
     else:
       read = self.saved[version]
@@ -127,10 +134,10 @@ def _runs(groups) -> tuple | None:
   return groups.members[np.repeat(multi, sizes)], heads, kept
 
 
-def _merge_runs(know: np.ndarray, members: np.ndarray, heads: np.ndarray,
-                sizes: np.ndarray) -> None:
+def _merge_runs(know: np.ndarray, sums: np.ndarray, members: np.ndarray,
+                heads: np.ndarray, sizes: np.ndarray) -> None:
   """The rows of each group (`members[heads[g]:heads[g] + sizes[g]]`)
-  become their maximum.
+  become their maximum; `sums` `[N]`, the row sums, follow.
 
   Groups of sizes in `(w/2, w]` are padded to `w` rows by repeating their
   last member and merged in one gather (at most twice the rows; NumPy's
@@ -141,7 +148,9 @@ def _merge_runs(know: np.ndarray, members: np.ndarray, heads: np.ndarray,
     mine = widths == width
     last = (sizes[mine] - 1)[:, None]
     rows = members[heads[mine][:, None] + np.minimum(np.arange(width), last)]
-    know[rows] = know[rows].max(axis=1)[:, None]
+    merged = know[rows].max(axis=1)
+    know[rows] = merged[:, None]
+    sums[rows] = merged.sum(axis=1, dtype=sums.dtype)[:, None]
 
 
 def _blocks(groups) -> list[np.ndarray]:
@@ -159,13 +168,16 @@ def _blocks(groups) -> list[np.ndarray]:
   return [np.stack(same) for same in by_size.values()]
 
 
-def _merge(know: np.ndarray, groups: np.ndarray) -> None:
-  """The rows of each group (`[groups, size]`) become their maximum."""
+def _merge(know: np.ndarray, sums: np.ndarray, groups: np.ndarray) -> None:
+  """The rows of each group (`[groups, size]`) become their maximum; `sums`
+  `[N]`, the row sums, follow."""
   if groups.shape[1] <= _FOLD:  # a few row gathers beat one 3-D gather
     merged = know[groups[:, 0]]
     for c in range(1, groups.shape[1]):
       np.maximum(merged, know[groups[:, c]], out=merged)
-    for c in range(groups.shape[1]):
-      know[groups[:, c]] = merged
   else:
-    know[groups] = know[groups].max(axis=1)[:, None]
+    merged = know[groups].max(axis=1)
+  total = merged.sum(axis=1, dtype=sums.dtype)
+  for c in range(groups.shape[1]):
+    know[groups[:, c]] = merged
+    sums[groups[:, c]] = total
