@@ -170,13 +170,13 @@ def test_scheduler_decides_as_union_find_on_random_ready_times():
     assert new.skipped == old.skipped
 
 
-def test_components_equal_breadth_first_search():
+def test_components_equal_union_find():
   rng = np.random.default_rng(1)
   for _ in range(200):
     R, N = int(rng.integers(1, 6)), int(rng.integers(1, 30))
     rows = rng.integers(0, int(rng.integers(1, N + 1)), (R, N))
     rows += (N * np.arange(R))[:, None]
-    comp, count = grouping.components(rows, start=int(rng.integers(N)))
+    comp, count = grouping.components(rows)
     uf = sdpipe_oracle.sync_graph(
         N, [np.flatnonzero(row == label) for row in rows
             for label in np.unique(row)])
@@ -189,10 +189,11 @@ def test_knowledge_equals_the_dense_matrix():
   """Row sums of know (today's N x N bookkeeping), with floors and reads of
   versions older than the current one."""
   rng = np.random.default_rng(2)
-  for N, depth in ((1, 2), (5, 2), (6, 3), (7, 5)):
+  for N, depth in ((1, 2), (5, 2), (6, 3), (7, 5), (20, 2)):
     B = 30
     kept = np.ones(B + 1, bool)
     fast = knowledge.Knowledge(N, B + 1, depth, kept)
+    grouped = knowledge.Knowledge(N, B + 1, depth, kept)  # grouping.Groups
     know = np.zeros((N, N), np.int64)
     history = {0: know.copy()}
     for p in range(B):
@@ -200,6 +201,7 @@ def test_knowledge_equals_the_dense_matrix():
       floor = rng.integers(0, 3, N) * int(rng.random() < 0.3)
       want = np.maximum(history[version], floor[:, None]).sum(axis=1)
       np.testing.assert_array_equal(fast.reflected(version, floor), want)
+      np.testing.assert_array_equal(grouped.reflected(version, floor), want)
       kind = rng.integers(4)
       if kind == 0:
         found = ()
@@ -211,6 +213,10 @@ def test_knowledge_equals_the_dense_matrix():
                                   replace=False)) if N > 1 else []
         found = tuple(np.split(order, cuts))
       fast.update(p, found)
+      sizes = [len(g) for g in found]
+      grouped.update(p, grouping.Groups(
+          np.concatenate(found) if found else np.zeros(0, int),
+          np.concatenate([[0], np.cumsum(sizes)]).astype(int)))
       know[np.arange(N), np.arange(N)] = p + 1
       for g in found:
         know[g] = know[g].max(axis=0)

@@ -29,14 +29,24 @@ schedule's task order, which is a topological order of these dependencies.
 The schedule is compiled to index arrays with NumPy, link costs are a few
 distinct rows rather than one per task, and observed staleness is tracked in
 `O(N)` per update unless groups leave replicas out (`knowledge`). Pipelines
-only meet at syncs, where the policy sees all ready times at once. The result
-equals `stalepipe.sim.reference`'s, event for event (tests check it).
+only meet at syncs, where the policy sees all ready times at once.
+
+The walk keeps only a ring of the task rows a later task looks back on (its
+dependency, the stage's previous task, the iteration's first task): busy
+seconds are the iterations' reference seconds times their slowdowns, waits
+are summed as they happen, and the last task of a stage ends its latest. The
+per-task times (`[tasks, N]`, 2 GB for 1,024 workers x 10,000 minibatches of
+a 4-stage 1F1B) are computed when first read (`SimResult.start`, ...), by
+walking the run again with the syncs' recorded outcomes (`applied`, gates):
+the same operations on the same numbers. The result equals
+`stalepipe.sim.reference`'s, event for event (tests check it).
 
 References:
   Park et al, HetPipe <https://arxiv.org/abs/2005.14038>, 2020, §4-§5;
   Miao et al, SDPipe <https://doi.org/10.14778/3598581.3598604>, 2023, §3, §5
 """
 
+import functools
 import operator
 from typing import NamedTuple, Sequence
 
@@ -48,10 +58,7 @@ from stalepipe.sim import cluster as cluster_lib
 from stalepipe.sim import knowledge as knowledge_lib
 from stalepipe.sim import policy as policy_lib
 from stalepipe.sim import stragglers as stragglers_lib
-from stalepipe.sim.result import SimResult
-
-_CHUNK = 4096  # tasks per block when summing busy and wait times
-
+from stalepipe.sim import result as result_lib
 
 class Program(NamedTuple):
   """A schedule compiled to index arrays, tasks in schedule order."""
@@ -180,7 +187,8 @@ def check_update_order(last_backward: np.ndarray, name: str) -> None:
 def simulate(schedule: core.Schedule, cluster: cluster_lib.Cluster,
              costs: cluster_lib.StageCosts,
              policy=None, *,
-             perturbations: Sequence = (), seed: int = 0) -> SimResult:
+             perturbations: Sequence = (), seed: int = 0
+             ) -> result_lib.SimResult:
   """Times `schedule` on every pipeline of `cluster` under a sync policy.
 
   Args:
@@ -212,74 +220,189 @@ def simulate(schedule: core.Schedule, cluster: cluster_lib.Cluster,
   S, B, N = schedule.num_stages, schedule.num_minibatches, cluster.num_pipelines
   plan = compile_schedule(schedule, costs)
   links, link_of = _transfers(plan, cluster, costs)
-
-  T = len(plan.stage)
-  start, end, ready = (np.empty((T, N)) for _ in range(3))
-  # Nonzero only at an iteration's first task; calloc leaves the rest unpaged.
-  blocked, sleep_at, sleep = (np.zeros((T, N)) for _ in range(3))
-  free = [np.zeros(N) for _ in range(S)]
+  walk = _Walk.of(plan, links, link_of, gates=runner.gates)
   applied = np.full((S, B + 1, N), np.inf)
   applied[:, 0] = 0.0
   local_end = np.zeros((S, B, N))
+  gate = np.full((S, B), -np.inf)
   depth = int((np.arange(1, B + 1)[None] - plan.backward_version).max()) + 1
   know = []
   for s in range(S):  # versions a backward reads after a newer one is in
     kept = np.zeros(B + 1, bool)
     kept[plan.backward_version[s][plan.backward_version[s] < np.arange(B)]] = True
     know.append(knowledge_lib.Knowledge(N, B + 1, depth, kept))
-  reflected = np.zeros((S, B, N), dtype=np.int64)
-  comm = []
-  duration, kind_of = _durations(plan, scale)
-  waits = _reads_new_version(plan) | (plan.first & runner.gates)
-  stage, minibatch = plan.stage.tolist(), plan.minibatch.tolist()
-  dep, link_of = plan.dep.tolist(), link_of.tolist()
-  version, first = plan.version.tolist(), plan.first.tolist()
-  trigger, own = plan.trigger.tolist(), plan.own.tolist()
-  kind_of, checks = kind_of.tolist(), waits.tolist()
-  gates = runner.gates
-  maximum, add = np.maximum, np.add
-  for i in range(T):
-    s, p = stage[i], minibatch[i]
+  syncs = _Syncs(runner, know, reflected=np.zeros((S, B, N), dtype=np.int64),
+                 comm=[])
+  rows = _rows(walk.window, N)
+  wait, last_end = _walk(walk, rows, delay, scale, update, applied, local_end,
+                         gate, syncs)
+  busy = np.einsum("bsn,bs->sn", scale, walk.iteration_seconds)
+  task_times = functools.partial(_replay, walk, delay, scale, update, applied,
+                                 local_end, gate)
+  return finish_run(schedule, cluster, costs, policy, runner,
+                    task_times=task_times, end_max=last_end, applied=applied,
+                    local_end=local_end, reflected=syncs.reflected, busy=busy,
+                    wait=wait, delay=delay, update=update, comm=syncs.comm)
+
+
+class _Walk(NamedTuple):
+  """The program as Python lists for the task loop, plus what it derives.
+
+  A task's input is in when the device is free if its dependency ran on its
+  own stage; so is a version no newer than one an earlier task of the stage
+  read (`_reads_new_version`): `link` is -1 and `checks` False there, and
+  the loop skips those maxima.
+  """
+
+  plan: Program
+  links: np.ndarray  # [L, N] seconds on a link; row `link[i]` for task i
+  stage: list  # [T] int
+  minibatch: list  # [T] int
+  dep: list  # [T] int, the dependency's row in a ring of `window` rows
+  link: list  # [T] int, -1 without a link
+  version: list  # [T] int
+  first: list  # [T] bool
+  own: list  # [T] int
+  trigger: list  # [T] bool
+  base: list  # [T] float
+  checks: list  # [T] bool: may wait for a version (or a gate)
+  waits: np.ndarray  # [T] bool, `checks` as an array
+  first_row: np.ndarray  # [S, B] the ring row of each iteration's first task
+  window: int  # rows a task may look back: dependency, stage, iteration
+  iteration_seconds: np.ndarray  # [B, S] reference seconds of an iteration
+  gates: bool
+
+  @classmethod
+  def of(cls, plan: Program, links: np.ndarray, link_of: np.ndarray,
+         gates: bool) -> "_Walk":
+    T = len(plan.stage)
+    index = np.arange(T)
+    back = [np.where(plan.dep >= 0, index - plan.dep, 0)]
+    trigger_at = np.flatnonzero(plan.trigger)
+    S, B = plan.first_task.shape
+    key = plan.stage[trigger_at] * B + plan.minibatch[trigger_at]
+    back.append(trigger_at - plan.first_task.ravel()[key])
+    for s in range(S):
+      back.append(np.diff(np.flatnonzero(plan.stage == s)))
+    window = int(max(b.max(initial=0) for b in back)) + 1
+    waits = _reads_new_version(plan) | (plan.first & gates)
+    seconds = np.zeros(S * B)
+    np.add.at(seconds, plan.stage * B + plan.minibatch, plan.base)
+    return cls(plan=plan, links=links, stage=plan.stage.tolist(),
+               minibatch=plan.minibatch.tolist(),
+               dep=(plan.dep % window).tolist(), link=link_of.tolist(),
+               version=plan.version.tolist(), first=plan.first.tolist(),
+               own=plan.own.tolist(), trigger=plan.trigger.tolist(),
+               base=plan.base.tolist(), checks=waits.tolist(), waits=waits,
+               first_row=plan.first_task % window, window=window,
+               iteration_seconds=seconds.reshape(S, B).T, gates=gates)
+
+
+class _Rows(NamedTuple):
+  """Per-task rows `[R, N]`: the whole run (R = T), or a ring of the last R."""
+
+  start: np.ndarray
+  end: np.ndarray
+  ready: np.ndarray
+  blocked: np.ndarray
+  sleep_at: np.ndarray
+
+
+def _rows(num_rows: int, N: int) -> _Rows:
+  return _Rows(*(np.zeros((num_rows, N)) for _ in range(5)))
+
+
+class _Syncs(NamedTuple):
+  """What the first walk does at each update: the policy's sync, observed
+  staleness and the exchanges (absent when replaying recorded syncs)."""
+
+  runner: policy_lib.Runner
+  know: list  # [S] knowledge.Knowledge
+  reflected: np.ndarray  # [S, B, N] int
+  comm: list  # (stage, CommEvent)
+
+
+def _walk(walk: _Walk, rows: _Rows, delay, scale, update, applied, local_end,
+          gate, syncs: _Syncs | None) -> tuple[np.ndarray, np.ndarray]:
+  """Runs every task once, in schedule order, over all pipelines at once.
+
+  With `syncs`, rows are a ring of `walk.window` (a task looks back no
+  further), the policy fills `applied` and `gate` as updates close; without,
+  they are the whole run's and `applied`, `gate` are a first walk's.
+
+  Returns:
+    `(wait [S, N], last_end [N])`: seconds waiting for a sync, version or
+    gate, and each pipeline's last task end.
+  """
+  S, N = len(applied), rows.start.shape[1]
+  R = len(rows.start)
+  wait, scratch = np.zeros((S, N)), np.empty(N)
+  free = [np.zeros(N) for _ in range(S)]
+  stage, minibatch, dep, link = walk.stage, walk.minibatch, walk.dep, walk.link
+  version, first, trigger, own = (walk.version, walk.first, walk.trigger,
+                                  walk.own)
+  base, checks, links = walk.base, walk.checks, walk.links
+  gates = walk.gates
+  start, end, ready, blocked, sleep_at = rows
+  maximum, add, subtract, multiply = (np.maximum, np.add, np.subtract,
+                                      np.multiply)
+  for i in range(len(stage)):
+    s, p, k = stage[i], minibatch[i], i % R
     f = free[s]
     if first[i]:
-      synced = maximum(f, applied[s, own[i]], out=sleep_at[i])
-      np.subtract(synced, f, out=blocked[i])
+      synced = maximum(f, applied[s, own[i]], out=sleep_at[k])
+      subtract(synced, f, out=blocked[k])
+      add(wait[s], blocked[k], out=wait[s])
       f = synced + delay[p, s]
-    # The input of a task whose dependency ran on its own stage is in when
-    # the device is free; so is a version no newer than one an earlier task
-    # of the stage read (`_reads_new_version`). Both maxima are skipped there.
-    st = start[i]
-    if link_of[i] >= 0:
-      add(end[dep[i]], links[link_of[i]], out=st)
+    st = start[k]
+    if link[i] >= 0:
+      add(end[dep[i]], links[link[i]], out=st)
       maximum(f, st, out=st)
     else:
       st[:] = f
     if checks[i]:
-      ready[i] = st
+      r = ready[k]
+      r[:] = st
       maximum(st, applied[s, version[i]], out=st)
       if gates and first[i]:
-        maximum(st, runner.gate(s, p), out=st)
-    e = add(st, duration[p, kind_of[i]], out=end[i])
+        if syncs is not None:
+          gate[s, p] = syncs.runner.gate(s, p)
+        maximum(st, gate[s, p], out=st)
+      add(wait[s], subtract(st, r, out=scratch), out=wait[s])
+    e = multiply(scale[p, s], base[i], out=end[k])
+    add(st, e, out=e)
     if not trigger[i]:
       free[s] = e
       continue
     e = free[s] = add(e, update[p, s], out=local_end[s, p])
-    out = runner.sync(s, p, e)
+    if syncs is None:
+      continue
+    out = syncs.runner.sync(s, p, e)
     maximum(out.applied, applied[s, p], out=applied[s, p + 1])
-    floor = runner.floor(s, start[plan.first_task[s, p]])
-    reflected[s, p] = know[s].reflected(plan.backward_version[s, p], floor)
-    know[s].update(p, out.groups)
-    comm.extend((s, c) for c in out.comm)
-  np.copyto(ready, start, where=~waits[:, None])
+    floor = syncs.runner.floor(s, start[walk.first_row[s, p]])
+    syncs.reflected[s, p] = syncs.know[s].reflected(
+        walk.plan.backward_version[s, p], floor)
+    syncs.know[s].update(p, out.groups)
+    syncs.comm.extend((s, c) for c in out.comm)
+  last = np.max([end[(np.flatnonzero(walk.plan.stage == s)[-1]) % R]
+                 for s in range(S)], axis=0)
+  return wait, last
+
+
+def _replay(walk: _Walk, delay, scale, update, applied, local_end, gate
+            ) -> result_lib.TaskTimes:
+  """Every task's times, walking the run again with its recorded syncs."""
+  plan = walk.plan
+  T, N = len(plan.stage), applied.shape[2]
+  rows = _rows(T, N)
+  _walk(walk._replace(dep=plan.dep.tolist()), rows, delay, scale, update,
+        applied, local_end, gate, None)
+  np.copyto(rows.ready, rows.start, where=~walk.waits[:, None])
+  sleep = np.zeros((T, N))
   firsts = np.flatnonzero(plan.first)
   sleep[firsts] = delay[plan.minibatch[firsts], plan.stage[firsts]]
-
-  busy, wait = _busy_and_wait(plan.stage, start, end, ready, blocked, S)
-  return finish_run(schedule, cluster, costs, policy, runner, start=start,
-                    end=end, ready=ready, blocked=blocked, sleep_at=sleep_at,
-                    sleep=sleep, applied=applied, local_end=local_end,
-                    reflected=reflected, busy=busy, wait=wait, delay=delay,
-                    update=update, comm=comm)
+  return result_lib.TaskTimes(rows.start, rows.end, rows.ready, rows.blocked,
+                              rows.sleep_at, sleep)
 
 
 def start_run(schedule: core.Schedule, cluster: cluster_lib.Cluster,
@@ -302,44 +425,37 @@ def start_run(schedule: core.Schedule, cluster: cluster_lib.Cluster,
   delay, multiplier = stragglers_lib.slowdowns(perturbations, (B, N, S),
                                                straggler_rng)
   speed = cluster.speed  # [N, S]
-  scale = np.ascontiguousarray((multiplier / speed[None]).transpose(0, 2, 1))
+  scale = np.divide(multiplier.transpose(0, 2, 1), speed.T[None],
+                    out=np.empty((B, S, N)))
   delay = np.ascontiguousarray(delay.transpose(0, 2, 1))  # [B, S, N]
   update = np.asarray(costs.update)[None, :, None] * scale  # [B, S, N]
   runner = policy.start(policy_lib.Context(cluster, costs, B, policy_rng))
   return policy, runner, delay, scale, update
 
 
-def finish_run(schedule, cluster, costs, policy, runner, *, start, end, ready,
-               blocked, sleep_at, sleep, applied, local_end, reflected, busy,
-               wait, delay, update, comm) -> SimResult:
-  """The `SimResult` of a finished loop (`busy`, `wait`: `[S, N]` of tasks)."""
+def finish_run(schedule, cluster, costs, policy, runner, *, task_times,
+               end_max, applied, local_end, reflected, busy, wait, delay,
+               update, comm) -> result_lib.SimResult:
+  """The `SimResult` of a finished walk.
+
+  Args:
+    task_times: a `TaskTimes`, or a function that computes it.
+    end_max: `[N]` (or any shape) the latest task end.
+    busy, wait: `[S, N]` seconds of tasks, and of waits before them.
+  """
   B = schedule.num_minibatches
-  makespan = float(max(applied[:, B].max(), end.max()))
+  makespan = float(max(applied[:, B].max(), np.max(end_max)))
   busy = busy + update.sum(0)
   delayed = delay.sum(0)
-  return SimResult(
+  return result_lib.SimResult(
       schedule=schedule, cluster=cluster, policy=policy.name,
       makespan=makespan, busy=busy.T, wait=wait.T, delayed=delayed.T,
       idle=makespan - busy.T - wait.T - delayed.T,
-      staleness=_staleness(applied, reflected), start=start, end=end,
-      ready=ready, blocked=blocked, sleep_at=sleep_at, sleep=sleep,
+      staleness=_staleness(applied, reflected), task_times=task_times,
       applied=applied, update_seconds=update, comm=tuple(comm),
       samples_per_minibatch=(schedule.num_microbatches
                              * costs.samples_per_microbatch),
       costs=costs, extras=dict(runner.extras(), local_update_end=local_end))
-
-
-def _durations(plan: Program, scale: np.ndarray
-               ) -> tuple[np.ndarray, np.ndarray]:
-  """`(seconds [B, C, N], class [T])`: each task's duration by cost class.
-
-  A class is a (kind, stage) pair, whose tasks cost the same reference
-  seconds; its duration in minibatch `p` is those times `scale[p, stage]`.
-  """
-  _, firsts, kind_of = np.unique(plan.cost_class, return_index=True,
-                                 return_inverse=True)
-  stages, base = plan.stage[firsts], plan.base[firsts]
-  return scale[:, stages] * base[None, :, None], kind_of
 
 
 def _reads_new_version(plan: Program) -> np.ndarray:
@@ -390,29 +506,23 @@ def _transfers(plan: Program, cluster: cluster_lib.Cluster,
   return rows, row_of
 
 
-def _busy_and_wait(stage: np.ndarray, start: np.ndarray, end: np.ndarray,
-                   ready: np.ndarray, blocked: np.ndarray, S: int
-                   ) -> tuple[np.ndarray, np.ndarray]:
-  """`[S, N]` seconds computing, and waiting for a sync, version or gate."""
-  busy = np.zeros((S, start.shape[1]))
-  wait = np.zeros((S, start.shape[1]))
-  for k in range(0, len(stage), _CHUNK):
-    part = slice(k, k + _CHUNK)
-    ran = end[part] - start[part]
-    waited = start[part] - ready[part] + blocked[part]
-    for s in range(S):
-      mine = stage[part] == s
-      busy[s] += ran[mine].sum(0)
-      wait[s] += waited[mine].sum(0)
-  return busy, wait
-
-
 def _staleness(applied: np.ndarray, reflected: np.ndarray) -> np.ndarray:
-  """`[N, B, S]`: updates in place anywhere before each, minus reflected."""
-  S, B1, _ = applied.shape
-  out = np.zeros((S, B1 - 1, applied.shape[2]), dtype=np.int64)
-  for s in range(S):
-    times = applied[s, 1:]
-    fresher = np.searchsorted(np.sort(times, axis=None), times, side="left")
-    out[s] = fresher - reflected[s]
-  return out.transpose(2, 1, 0)
+  """`[N, B, S]`: updates in place anywhere before each, minus reflected
+  (`[S, B, N]`, overwritten)."""
+  _, B1, N = applied.shape
+  index = np.arange((B1 - 1) * N)
+  fresher = np.empty((N, B1 - 1), np.int64)
+  for s in range(len(applied)):
+    # Versions are applied in order on each pipeline: N sorted runs, which
+    # a stable sort merges; an update's rank is that of its first equal.
+    times = applied[s, 1:].T.ravel()
+    order = np.argsort(times, kind="stable")
+    ranked = times[order]
+    first = np.empty(len(ranked), bool)
+    first[:1] = True
+    np.not_equal(ranked[1:], ranked[:-1], out=first[1:])
+    rank = np.where(first, index, 0)
+    np.maximum.accumulate(rank, out=rank)
+    fresher.ravel()[order] = rank
+    np.subtract(fresher.T, reflected[s], out=reflected[s])
+  return reflected.transpose(2, 1, 0)

@@ -55,10 +55,14 @@ class Knowledge:
     self.n, self.depth = num_replicas, depth
     self.dtype = np.int16 if num_versions <= np.iinfo(np.int16).max else (
         np.int32)
+    # Row sums are at most N * num_versions: int32 sums run twice as fast.
+    self.sum_dtype = (np.int32 if num_replicas * num_versions
+                      <= np.iinfo(np.int32).max else np.int64)
     self.kept = np.zeros(num_versions, bool) if kept is None else kept
     self.version = 0  # the version the current value belongs to
     self.common = 0  # the off-diagonal count while uniform
     self.dense = None  # [N, N] once a group has left some replicas out
+    self.sums = None  # [N] the dense matrix's row sums
     self.saved = {}  # version -> common count, or a copy of the matrix
 
   def update(self, iteration: int, groups) -> None:
@@ -75,41 +79,85 @@ class Knowledge:
                                   else self.dense.copy())
     own = self.version = iteration + 1
     self.saved.pop(own - self.depth, None)
-    blocks = _blocks(groups)
-    if any(b.shape == (1, self.n) for b in blocks):  # disjoint: the only one
+    if len(groups) == 1 and len(groups[0]) == self.n:  # all average
       self.common, self.dense = own, None
       return
-    if blocks and self.dense is None:
-      self.dense = np.full((self.n, self.n), self.common, self.dtype)
+    if hasattr(groups, "offsets"):  # grouping.Groups: merged in one pass
+      runs, blocks = _runs(groups), []
+    else:
+      runs, blocks = None, _blocks(groups)
     if self.dense is not None:
-      np.fill_diagonal(self.dense, own)
-      for block in blocks:
-        _merge(self.dense, block)
+      self.sums += 1  # the diagonal, from p to p + 1
+    elif runs or blocks:
+      self.dense = np.full((self.n, self.n), self.common, self.dtype)
+      self.sums = np.full(self.n, (self.n - 1) * self.common + own,
+                          self.sum_dtype)
+    else:
+      return
+    self.dense.flat[::self.n + 1] = own
+    if runs:
+      _merge_runs(self.dense, self.sums, *runs)
+    for block in blocks:
+      _merge(self.dense, self.sums, block)
 
   def reflected(self, version: int, floor: np.ndarray) -> np.ndarray:
     """`[N]` updates reflected by weights of `version` under `floor` `[N]`."""
     if version == self.version:
+      if self.dense is not None and not floor.any():
+        return self.sums.copy()
       read = self.common if self.dense is None else self.dense
     else:
       read = self.saved[version]
     if np.isscalar(read):
+      if not floor.any():
+        return np.full(self.n, version + (self.n - 1) * read, np.int64)
       return (np.maximum(version, floor)
               + (self.n - 1) * np.maximum(read, floor)).astype(np.int64)
     if floor.any():
-      return np.maximum(read, floor[:, None]).sum(axis=1, dtype=np.int64)
-    return read.sum(axis=1, dtype=np.int64)
+      read = np.maximum(read, floor[:, None])
+    return read.sum(axis=1, dtype=self.sum_dtype)
+
+
+def _runs(groups) -> tuple | None:
+  """`(members, heads, sizes)` of a `grouping.Groups`' groups of two or
+  more: their members group after group, where each group begins and its
+  size; None when there are none."""
+  sizes = groups.sizes
+  multi = sizes > 1
+  if not multi.any():
+    return None
+  if multi.all():
+    return groups.members, groups.offsets[:-1], sizes
+  kept = sizes[multi]
+  heads = np.zeros(len(kept), np.int64)
+  np.cumsum(kept[:-1], out=heads[1:])
+  return groups.members[np.repeat(multi, sizes)], heads, kept
+
+
+def _merge_runs(know: np.ndarray, sums: np.ndarray, members: np.ndarray,
+                heads: np.ndarray, sizes: np.ndarray) -> None:
+  """The rows of each group (`members[heads[g]:heads[g] + sizes[g]]`)
+  become their maximum; `sums` `[N]`, the row sums, follow.
+
+  Groups of sizes in `(w/2, w]` are padded to `w` rows by repeating their
+  last member and merged in one gather (at most twice the rows; NumPy's
+  row-wise `maximum.reduceat` is several times slower).
+  """
+  widths = np.left_shift(1, np.ceil(np.log2(sizes)).astype(np.int64))
+  for width in np.unique(widths).tolist():
+    mine = widths == width
+    last = (sizes[mine] - 1)[:, None]
+    rows = members[heads[mine][:, None] + np.minimum(np.arange(width), last)]
+    merged = know[rows].max(axis=1)
+    know[rows] = merged[:, None]
+    sums[rows] = merged.sum(axis=1, dtype=sums.dtype)[:, None]
 
 
 def _blocks(groups) -> list[np.ndarray]:
   """The groups of two or more, as one `[groups, size]` array per size.
 
-  Takes a `grouping.Groups`, a `[groups, size]` array or index arrays.
+  Takes a `[groups, size]` array or index arrays.
   """
-  if hasattr(groups, "offsets"):  # grouping.Groups: members, offsets
-    sizes = groups.sizes
-    return [groups.members[groups.offsets[:-1][sizes == k][:, None]
-                           + np.arange(k)]
-            for k in np.unique(sizes[sizes > 1]).tolist()]
   if isinstance(groups, np.ndarray):
     return [groups] if groups.ndim == 2 and groups.size and (
         groups.shape[1] > 1) else []
@@ -120,13 +168,16 @@ def _blocks(groups) -> list[np.ndarray]:
   return [np.stack(same) for same in by_size.values()]
 
 
-def _merge(know: np.ndarray, groups: np.ndarray) -> None:
-  """The rows of each group (`[groups, size]`) become their maximum."""
+def _merge(know: np.ndarray, sums: np.ndarray, groups: np.ndarray) -> None:
+  """The rows of each group (`[groups, size]`) become their maximum; `sums`
+  `[N]`, the row sums, follow."""
   if groups.shape[1] <= _FOLD:  # a few row gathers beat one 3-D gather
     merged = know[groups[:, 0]]
     for c in range(1, groups.shape[1]):
       np.maximum(merged, know[groups[:, c]], out=merged)
-    for c in range(groups.shape[1]):
-      know[groups[:, c]] = merged
   else:
-    know[groups] = know[groups].max(axis=1)[:, None]
+    merged = know[groups].max(axis=1)
+  total = merged.sum(axis=1, dtype=sums.dtype)
+  for c in range(groups.shape[1]):
+    know[groups[:, c]] = merged
+    sums[groups[:, c]] = total

@@ -98,14 +98,6 @@ def fifo(arrivals: np.ndarray, service: float) -> np.ndarray:
   return finish
 
 
-def averaged(ctx: Context, stage: int, group: np.ndarray, start: float
-             ) -> tuple[float, CommEvent]:
-  """A group ring-averages its models from `start`: `(end, event)`."""
-  end = start + ctx.group_seconds(stage, group)
-  n = len(group)
-  return end, CommEvent(group, np.full(n, start), np.full(n, end))
-
-
 class Runner:
   """One simulation's policy state; the default never syncs."""
 
@@ -149,12 +141,16 @@ class _BSPRunner(Runner):
     super().__init__(ctx)
     self.every = every
     self.everyone = np.arange(ctx.num_pipelines)
+    self.seconds = [ctx.group_seconds(s, self.everyone)
+                    for s in range(ctx.cluster.num_stages)]
 
   def sync(self, stage, minibatch, ready):
     if (minibatch + 1) % self.every:
       return SyncOutcome(applied=ready)
-    end, event = averaged(self.ctx, stage, self.everyone, ready.max())
-    return SyncOutcome(np.full(len(ready), end), (self.everyone,), (event,))
+    start = ready.max()
+    end = np.full(len(ready), start + self.seconds[stage])
+    event = CommEvent(self.everyone, np.full(len(ready), start), end)
+    return SyncOutcome(end, (self.everyone,), (event,))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -239,10 +235,11 @@ class _ADPSGDRunner(Runner):
     super().__init__(ctx)
     self.seed = seed
     self.nodes = ctx.cluster.nodes.T  # [S, N]
-    self.seconds = {same: [cluster_lib.ring_allreduce_seconds(
+    # [S, 2]: a pair's averaging across nodes, and within one node.
+    self.seconds = np.array([[cluster_lib.ring_allreduce_seconds(
         b, 2, ctx.cluster.intra if same else ctx.cluster.inter)
-                           for b in ctx.costs.param_bytes]
-                    for same in (False, True)}
+                              for same in (False, True)]
+                             for b in ctx.costs.param_bytes])
 
   def sync(self, stage, minibatch, ready):
     # The numeric side's matching (`stalepipe.sync.ADPSGD`: one per
@@ -252,13 +249,14 @@ class _ADPSGDRunner(Runner):
     pairs = random_pairs(len(ready), rng, matched_only=True)
     if not len(pairs):
       return SyncOutcome(applied=ready)
-    start = ready[pairs].max(axis=1)
-    nodes = self.nodes[stage][pairs]
-    end = start + np.where(nodes[:, 0] == nodes[:, 1],
-                           self.seconds[True][stage],
-                           self.seconds[False][stage])
+    one, other = pairs[:, 0], pairs[:, 1]
+    start = np.maximum(ready[one], ready[other])
+    nodes = self.nodes[stage]
+    end = start + self.seconds[stage][(nodes[one] == nodes[other]).view(
+        np.int8)]
     applied = ready.copy()
-    applied[pairs] = end[:, None]
+    applied[one] = end
+    applied[other] = end
     event = CommEvent(pairs.ravel(), np.repeat(start, 2), np.repeat(end, 2))
     return SyncOutcome(applied, pairs, (event,))
 

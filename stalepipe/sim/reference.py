@@ -17,7 +17,7 @@ from stalepipe.schedules import core
 from stalepipe.schedules import kinds
 from stalepipe.sim import cluster as cluster_lib
 from stalepipe.sim import engine
-from stalepipe.sim.result import SimResult
+from stalepipe.sim import result as result_lib
 
 
 def _compile(schedule: core.Schedule,
@@ -83,7 +83,8 @@ def _compile(schedule: core.Schedule,
 def simulate(schedule: core.Schedule, cluster: cluster_lib.Cluster,
              costs: cluster_lib.StageCosts,
              policy=None, *,
-             perturbations: Sequence = (), seed: int = 0) -> SimResult:
+             perturbations: Sequence = (), seed: int = 0
+             ) -> result_lib.SimResult:
   """`stalepipe.sim.simulate`, one NumPy step per task (same arguments)."""
   policy, runner, delay, scale, update = engine.start_run(
       schedule, cluster, costs, policy, perturbations, seed)
@@ -147,12 +148,13 @@ def simulate(schedule: core.Schedule, cluster: cluster_lib.Cluster,
     mine = plan.stage == s
     busy[s] = (end[mine] - start[mine]).sum(0)
     wait[s] = (start[mine] - ready[mine] + blocked[mine]).sum(0)
-  return engine.finish_run(schedule, cluster, costs, policy, runner,
-                           start=start, end=end, ready=ready, blocked=blocked,
-                           sleep_at=sleep_at, sleep=sleep, applied=applied,
-                           local_end=local_end, reflected=reflected,
-                           busy=busy, wait=wait, delay=delay, update=update,
-                           comm=comm)
+  return engine.finish_run(
+      schedule, cluster, costs, policy, runner,
+      task_times=result_lib.TaskTimes(start, end, ready, blocked, sleep_at,
+                                      sleep),
+      end_max=end.max(), applied=applied, local_end=local_end,
+      reflected=reflected, busy=busy, wait=wait, delay=delay, update=update,
+      comm=comm)
 
 
 def _transfers(plan: engine.Program, cluster: cluster_lib.Cluster,

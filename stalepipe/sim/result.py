@@ -1,12 +1,24 @@
 """What a simulation measured (`SimResult`), whichever engine ran it."""
 
 import dataclasses
-from typing import Sequence
+import functools
+from typing import Callable, NamedTuple, Sequence
 
 import numpy as np
 
 from stalepipe.schedules import core
 from stalepipe.sim import cluster as cluster_lib
+
+
+class TaskTimes(NamedTuple):
+  """`[tasks, N]` seconds of every task on every pipeline."""
+
+  start: np.ndarray  # when it started
+  end: np.ndarray  # when it ended
+  ready: np.ndarray  # when its device was free with its input in
+  blocked: np.ndarray  # first task of an iteration: waited for its own sync
+  sleep_at: np.ndarray  # first task of an iteration: its sleep began
+  sleep: np.ndarray  # first task of an iteration: the injected sleep
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,11 +39,10 @@ class SimResult:
     staleness: `[N, B, S]` observed staleness of each minibatch's gradient:
       updates (of any replica) in place before it is applied, minus those
       reflected in the weights its backward read.
-    start, end, ready: `[tasks, N]` each task's start, end and the time its
-      device was free with its input in.
-    blocked, sleep_at, sleep: `[tasks, N]` for the first task of an
-      iteration, the seconds its device waited for its own sync, when its
-      injected sleep began and how long it lasted.
+    task_times: the `TaskTimes`, or a function computing them: a run of
+      1,024 workers keeps its syncs and computes its task times (gigabytes)
+      on first use of `start`, `end`, `ready`, `blocked`, `sleep_at` or
+      `sleep`.
     applied: `[S, B + 1, N]` when version `v` of a stage is in place.
     comm: `(stage, CommEvent)` records of every exchange.
     samples_per_minibatch: M x samples per micro-batch.
@@ -47,18 +58,51 @@ class SimResult:
   delayed: np.ndarray
   idle: np.ndarray
   staleness: np.ndarray
-  start: np.ndarray
-  end: np.ndarray
-  ready: np.ndarray
-  blocked: np.ndarray
-  sleep_at: np.ndarray
-  sleep: np.ndarray
+  task_times: TaskTimes | Callable[[], TaskTimes]
   applied: np.ndarray
   update_seconds: np.ndarray
   comm: tuple
   samples_per_minibatch: int
   costs: cluster_lib.StageCosts
   extras: dict
+
+  @functools.cached_property
+  def _times(self) -> TaskTimes:
+    if isinstance(self.task_times, TaskTimes):
+      return self.task_times
+    return self.task_times()
+
+  @property
+  def start(self) -> np.ndarray:
+    """`[tasks, N]` when each task started."""
+    return self._times.start
+
+  @property
+  def end(self) -> np.ndarray:
+    """`[tasks, N]` when each task ended."""
+    return self._times.end
+
+  @property
+  def ready(self) -> np.ndarray:
+    """`[tasks, N]` when each task's device was free with its input in."""
+    return self._times.ready
+
+  @property
+  def blocked(self) -> np.ndarray:
+    """`[tasks, N]` for an iteration's first task, the seconds its device
+    waited for its own sync."""
+    return self._times.blocked
+
+  @property
+  def sleep_at(self) -> np.ndarray:
+    """`[tasks, N]` for an iteration's first task, when its injected sleep
+    began."""
+    return self._times.sleep_at
+
+  @property
+  def sleep(self) -> np.ndarray:
+    """`[tasks, N]` for an iteration's first task, its injected sleep."""
+    return self._times.sleep
 
   @property
   def minibatches_per_second(self) -> float:

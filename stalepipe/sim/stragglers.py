@@ -46,9 +46,10 @@ class Stragglers:
 
   def sample(self, shape: tuple[int, int, int], rng: np.random.Generator
              ) -> tuple[np.ndarray, np.ndarray]:
-    """`(delay, multiplier)`, each `[iterations, pipelines, stages]`."""
+    """`(delay, multiplier)`, each `[iterations, pipelines, stages]` (the
+    constant one read-only)."""
     hit = rng.random(shape) < self.probability
-    return hit * self.delay, np.ones(shape)
+    return hit * self.delay, np.broadcast_to(1.0, shape)
 
 
 def hete(setting: str, model: str = "resnet") -> Stragglers:
@@ -106,8 +107,8 @@ class Trace:
     rows = np.arange(iterations) % self.values.shape[0]
     grid = self.values[rows].reshape(shape)
     if self.kind == "delay":
-      return grid, np.ones(shape)
-    return np.zeros(shape), grid
+      return grid, np.broadcast_to(1.0, shape)
+    return np.broadcast_to(0.0, shape), grid
 
 
 def load_trace(path: str, kind: str = "multiplier") -> Trace:
@@ -138,15 +139,16 @@ def slowdowns(perturbations, shape: tuple[int, int, int],
               rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
   """Combines perturbations: delays add, multipliers multiply.
 
+  A constant part (no delay, or no multiplier) stays a read-only broadcast.
+
   Examples:
     >>> d, m = slowdowns([Stragglers(1.0, 0.5), Stragglers(1.0, 0.25)],
     ...                  (1, 1, 2), np.random.default_rng(0))
     >>> d.tolist(), m.tolist()
     ([[[0.75, 0.75]]], [[[1.0, 1.0]]])
   """
-  delay, multiplier = np.zeros(shape), np.ones(shape)
-  for perturbation in perturbations:
+  delay, multiplier = np.broadcast_to(0.0, shape), np.broadcast_to(1.0, shape)
+  for k, perturbation in enumerate(perturbations):
     d, m = perturbation.sample(shape, rng)
-    delay += d
-    multiplier *= m
+    delay, multiplier = (d, m) if k == 0 else (delay + d, multiplier * m)
   return delay, multiplier

@@ -13,10 +13,11 @@ a group, must stay connected (Assumption 1, §3.3): when this iteration's
 groups would break it, the scheduler makes the earliest group that bridges
 two components wait for the next group and merges them, until the graph is
 connected (§3.4, group validation; §4 tracks components with union-find,
-here a breadth-first search over the last P iterations' group labels, in
-NumPy, and one scan in time order finds every merge). Deadlock prevention (§3.4): an enforcement on one
-stage may not begin while an enforcement on another stage is still waiting;
-such a validation is skipped for the iteration and counted.
+here parallel union-find in NumPy over the last P iterations' group labels,
+and one scan in time order finds every merge). Deadlock prevention (§3.4):
+an enforcement on one stage may not begin while an enforcement on another
+stage is still waiting; such a validation is skipped for the iteration and
+counted.
 
 AD-PSGD (Lian et al. 2018): each iteration a random matching into pairs.
 """
@@ -24,8 +25,6 @@ AD-PSGD (Lian et al. 2018): each iteration a random matching into pairs.
 import collections.abc
 
 import numpy as np
-
-_SWEEPS = 3  # breadth-first sweeps before the rest is labelled
 
 
 class Groups(collections.abc.Sequence):
@@ -97,18 +96,19 @@ def window_groups(ready: np.ndarray, window: float) -> tuple[Groups, list]:
   return Groups(order, np.array(firsts)), starts
 
 
-def components(labels: np.ndarray, start: int = 0) -> tuple[np.ndarray, int]:
+def components(labels: np.ndarray) -> tuple[np.ndarray, int]:
   """Components of the graph joining workers that share a label in any row.
 
-  A few sweeps of breadth-first search from `start` (in SDPipe's sync graph,
-  a member of the largest group: most workers are reached at once), then
-  min-label propagation with pointer jumping over the workers not reached,
-  with the reached ones as one node.
+  Each group is a path through its members (the edges); every round hooks
+  the root of each edge's endpoints to the smaller of the two and then
+  jumps pointers until every worker points at a root, as parallel
+  union-find does (Shiloach and Vishkin, An O(log n) parallel connectivity
+  algorithm, 1982): a few NumPy passes over the edges however long the sync
+  graph's paths grow.
 
   Args:
     labels: `[rows, N]` non-negative ints, distinct across rows (each row a
       partition of the workers, e.g. one iteration's groups).
-    start: where the search begins.
 
   Returns:
     `(component [N], count)`: equal ids for workers of one component.
@@ -119,31 +119,26 @@ def components(labels: np.ndarray, start: int = 0) -> tuple[np.ndarray, int]:
     ([0, 0, 2, 2], 2)
   """
   N = labels.shape[1]
-  hit = np.zeros(int(labels.max()) + 1, bool)
-  reached = np.zeros(N, bool)
-  reached[start] = True
-  for _ in range(_SWEEPS):
-    hit[labels[:, reached]] = True
-    reached = hit[labels].any(axis=0)
-  comp = np.full(N, start)
-  if reached.all():
-    return comp, 1
-  hit[labels[:, reached]] = True
-  rest = np.flatnonzero(~reached)
-  sub = labels[:, rest]
-  ids = np.where(hit[sub].any(axis=0), -1, rest)  # -1: joins `start`
-  low = np.zeros(len(hit), np.int64)
+  order = np.argsort(labels, axis=None, kind="stable")
+  ranked = labels.ravel()[order]
+  same = ranked[1:] == ranked[:-1]
+  u, v = order[:-1][same] % N, order[1:][same] % N
+  comp = np.arange(N)
   while True:
-    low[sub] = N
-    np.minimum.at(low, sub, np.broadcast_to(ids, sub.shape))
-    new = np.minimum(ids, low[sub].min(axis=0))
-    linked = new >= 0  # pointer jumping through the other workers' ids
-    new[linked] = new[np.searchsorted(rest, new[linked])]
-    if np.array_equal(new, ids):
+    cu, cv = comp[u], comp[v]
+    low = np.minimum(cu, cv)
+    new = comp.copy()
+    np.minimum.at(new, cu, low)
+    np.minimum.at(new, cv, low)
+    while True:
+      jumped = new[new]
+      if np.array_equal(jumped, new):
+        break
+      new = jumped
+    if np.array_equal(new, comp):
       break
-    ids = new
-  comp[rest] = np.where(ids < 0, start, ids)
-  return comp, len(np.unique(ids[ids >= 0])) + 1
+    comp = new
+  return comp, int(np.count_nonzero(comp == np.arange(N)))
 
 
 def enforce(groups: Groups, starts: list, history: np.ndarray,
@@ -176,8 +171,7 @@ def enforce(groups: Groups, starts: list, history: np.ndarray,
     return groups, starts, None
   rows = np.concatenate([history, groups.labels(num_workers)[None]])
   rows += (num_workers * np.arange(len(rows)))[:, None]  # distinct per row
-  largest = groups.offsets[np.argmax(sizes)]
-  comp, count = components(rows, start=int(groups.members[largest]))
+  comp, count = components(rows)
   if count == 1:
     return groups, starts, None
   # Merging groups j and j+1 unites their components; the groups before j
