@@ -11,6 +11,7 @@ whatever schedule trains it: N + S - 1 ticks for N micro-batches, against
 the training window's forward, backward and update tasks.
 """
 
+import functools
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -47,6 +48,35 @@ def objective(loss_fn: Callable, out, target):
   return stage_lib.bind_loss(loss_fn)((y, (0.0, metrics)), target)
 
 
+def _zero_objective(ctx: Forward):
+  """Float32 zeros shaped like `(loss, metrics)`."""
+  return jax.tree.map(lambda v: jnp.zeros(v.shape, jnp.float32),
+                      ctx.objective)
+
+
+def _forward(ctx: Forward, s: int, inputs, targets, weights, states, replica,
+             received, item):
+  """Stage s's forward of window micro-batch `item`: what it sends on, its
+  `(loss, metrics)` (zeros but on the last stage) and its output (the last
+  stage's; zeros elsewhere)."""
+  M, last = ctx.num_microbatches, s == len(ctx.fns) - 1
+  p, m = item // M, item % M
+  x = (tick_lib.window_item(inputs, p, m) if s == 0
+       else ctx.boundaries.unpack_input(s, received))
+  x = stage_lib.with_extras(
+      x, ctx.wants[s], ctx.seed, p, m, s, replica,
+      None if "state" not in ctx.wants[s] else ctx.states.unpack(s, states))
+  y = ctx.fns[s](ctx.params.unpack(s, weights), x)
+  zeros = _zero_objective(ctx)
+  if not last:
+    return (ctx.boundaries.pack_input(s + 1, y), zeros,
+            jax.tree.map(lambda o: jnp.zeros(o.shape, o.dtype), ctx.output))
+  loss = objective(ctx.loss_fn, y, tick_lib.window_item(targets, p, m))
+  return (tick_lib.zero_row(ctx.boundaries.acts.lengths),
+          jax.tree.map(lambda v, z: jnp.asarray(v, z.dtype), loss, zeros),
+          y[0])
+
+
 def run(ctx: Forward, state: PipelineState, inputs, targets):
   """The shard_map body: the window's forwards on this device.
 
@@ -61,37 +91,19 @@ def run(ctx: Forward, state: PipelineState, inputs, targets):
   ring = local(state.ring)
   weights = tick_lib.read_version(ring, 0)
   states = local(state.stage_state)
-  zeros = jax.tree.map(lambda v: jnp.zeros(v.shape, jnp.float32),
-                       ctx.objective)
+  zeros = _zero_objective(ctx)
   empty = jax.tree.map(lambda o: jnp.zeros((N,) + o.shape, o.dtype),
                        ctx.output)
 
-  def branch(s):
-    def fn(received, item):
-      p, m = item // M, item % M
-      x = (tick_lib.window_item(inputs, p, m) if s == 0
-           else ctx.boundaries.unpack_input(s, received))
-      x = stage_lib.with_extras(
-          x, ctx.wants[s], ctx.seed, p, m, s, replica,
-          None if "state" not in ctx.wants[s] else ctx.states.unpack(s, states))
-      y = ctx.fns[s](ctx.params.unpack(s, weights), x)
-      if s < S - 1:
-        return (ctx.boundaries.pack_input(s + 1, y), zeros,
-                jax.tree.map(lambda o: jnp.zeros(o.shape, o.dtype),
-                             ctx.output))
-      loss = objective(ctx.loss_fn, y, tick_lib.window_item(targets, p, m))
-      return (tick_lib.zero_row(ctx.boundaries.acts.lengths),
-              jax.tree.map(lambda v, z: jnp.asarray(v, z.dtype), loss, zeros),
-              y[0])
-    return fn
+  branches = [functools.partial(_forward, ctx, s, inputs, targets, weights,
+                                states, replica) for s in range(S)]
 
   def one_tick(carry, t):
     received, loss_sum, outputs = carry
     item = t - stage
     valid = (item >= 0) & (item < N)
-    send, loss, out = jax.lax.switch(
-        stage, [branch(s) for s in range(S)], received,
-        jnp.clip(item, 0, N - 1))
+    send, loss, out = jax.lax.switch(stage, branches, received,
+                                     jnp.clip(item, 0, N - 1))
     loss_sum = jax.tree.map(lambda a, v: a + jnp.where(valid, v, 0.0),
                             loss_sum, loss)
     outputs = jax.tree.map(
