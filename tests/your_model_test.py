@@ -24,6 +24,12 @@ def _optimizer():
   return optax.chain(optax.clip_by_global_norm(0.5), optax.sgd(0.5))
 
 
+def _full_dc():
+  """SAPipe's full delay compensation: <g, dx> over the whole model."""
+  return optax.chain(sp.optim.delay_compensation(2.0, form="full"),
+                     optax.sgd(0.5))
+
+
 def _train(name, optimizer, remat="recompute", **kw):
   model, staged = EXAMPLE["build"](S)
   schedule = sp.schedules.make(name, num_stages=S, num_microbatches=M,
@@ -57,16 +63,18 @@ ATOL = 1e-4
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["1f1b", "zb-h1"])
-def test_cut_model_with_global_norm_equals_oracle_and_unpipelined(name):
-  model, staged, got, want, data = _train(name, _optimizer())
+@pytest.mark.parametrize("name,make_optimizer", [
+    ("1f1b", _optimizer), ("zb-h1", _optimizer), ("1f1b", _full_dc)])
+def test_cut_model_with_a_whole_model_rule_equals_oracle_and_unpipelined(
+    name, make_optimizer):
+  model, staged, got, want, data = _train(name, make_optimizer())
   _close(got, want, ATOL)
   # Unpipelined: the stages composed, keys as the pipeline derives them, the
   # auxiliary losses added, the BatchNorm statistics updated by each
   # micro-batch's forward in order.
   fns, params = staged.stage_fns, tuple(staged.stage_params)
   states = list(staged.stage_states)
-  opt = _optimizer()
+  opt = make_optimizer()
   opt_state = opt.init(params)
   p = 0
   for x, y in data:
