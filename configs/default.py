@@ -61,7 +61,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.model_kwargs = ml_collections.ConfigDict(
       {"hidden": 128, "num_hidden_layers": 3})
   config.loss = "cross_entropy"  # stalepipe.models.losses
-  # Pipeline: mesh ('data', 'stage') = (num_replicas, num_stages).
+  # Pipeline: mesh ('data', 'stage') = (num_replicas, stage_devices).
   config.schedule = "gpipe"
   config.schedule_kwargs = ml_collections.ConfigDict()
   config.num_stages = 4
@@ -70,6 +70,12 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.num_microbatches = 4
   config.microbatch_size = 8  # examples per micro-batch per data replica
   config.minibatches_per_window = 4  # minibatches per jitted pipeline step
+  # Devices on the mesh's 'stage' axis (0: num_stages): each runs
+  # num_stages / stage_devices stages, placed by `placement`
+  # (stalepipe.pipeline.placement: "consecutive", "loop" or "v"); the
+  # trained weights are the same whatever the folding.
+  config.stage_devices = 0
+  config.placement = "consecutive"
   # "recompute": a backward task recomputes its forward from the kept input;
   # "residuals": the forward keeps its jax.vjp residuals (more memory).
   config.remat = "recompute"

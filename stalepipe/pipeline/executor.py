@@ -47,6 +47,7 @@ from stalepipe.pipeline import contract
 from stalepipe.pipeline import dispatch
 from stalepipe.pipeline import forward_only
 from stalepipe.pipeline import packing
+from stalepipe.pipeline import placement as placement_lib
 from stalepipe.pipeline import program as program_lib
 from stalepipe.pipeline import residuals as residuals_lib
 from stalepipe.pipeline import scope as scope_lib
@@ -91,32 +92,38 @@ def run_window(ctx: tick_lib.Stages, state: PipelineState, inputs, targets,
       inputs=past(state.history.inputs, inputs),
       targets=past(state.history.targets, targets), plan=plan,
       base=(step % C) * (B * ctx.num_microbatches % C) % C, step=step,
-      stage=jax.lax.axis_index(STAGE), replica=jax.lax.axis_index(DATA))
-  carry = TickCarry(
-      ring=local(state.ring), opt_state=local(state.opt_state),
-      grads=local(state.grads), grads_spent=jnp.zeros((), bool),
-      buffers=local(state.buffers), sync=local(state.sync),
+      stage=jax.lax.axis_index(STAGE), replica=jax.lax.axis_index(DATA),
+      device=jax.lax.axis_index(STAGE))
+  carries = tuple(TickCarry(
+      ring=local(state.ring, j), opt_state=local(state.opt_state, j),
+      grads=local(state.grads, j), grads_spent=jnp.zeros((), bool),
+      buffers=local(state.buffers, j), sync=local(state.sync, j),
       loss_sum=jnp.zeros((), jnp.float32), num_losses=jnp.zeros((), jnp.int32),
       metric_sums=tick_lib.zero_objective(ctx)[1],
-      stage_state=local(state.stage_state))
+      stage_state=local(state.stage_state, j))
+                  for j in range(ctx.placement.num_slots))
   table = jax.tree.map(
       lambda c: jax.lax.dynamic_index_in_dim(c, jnp.minimum(step, K - 1),
                                              keepdims=False), tables)
-  carry, _ = jax.lax.scan(functools.partial(tick_lib.tick, ctx, window),
-                          carry, table)
-  num_losses = jax.lax.psum(carry.num_losses, STAGE)
-  mean = lambda total: jax.lax.pmean(jax.lax.psum(  # pylint: disable=unnecessary-lambda-assignment
-      total, STAGE), DATA) / jnp.where(num_losses > 0, num_losses, jnp.nan)
-  loss, metrics = mean(carry.loss_sum), jax.tree.map(mean, carry.metric_sums)
+  carries, _ = jax.lax.scan(functools.partial(tick_lib.tick, ctx, window),
+                            carries, table)
+  total = lambda get: jax.lax.psum(sum(get(c) for c in carries), STAGE)  # pylint: disable=unnecessary-lambda-assignment
+  num_losses = total(lambda c: c.num_losses)
+  mean = lambda value: jax.lax.pmean(value, DATA) / jnp.where(  # pylint: disable=unnecessary-lambda-assignment
+      num_losses > 0, num_losses, jnp.nan)
+  loss = mean(total(lambda c: c.loss_sum))
+  metrics = {k: mean(total(lambda c, k=k: c.metric_sums[k]))
+             for k in carries[0].metric_sums}
   keep = lambda tree: None if H == 0 else jax.tree.map(  # pylint: disable=unnecessary-lambda-assignment
       lambda x: x[x.shape[0] - H * B:], tree)
   new = PipelineState(
-      ring=unlocal(carry.ring), opt_state=unlocal(carry.opt_state),
-      grads=unlocal(tick_lib.accumulated(carry)),
-      buffers=unlocal(carry.buffers),
+      ring=unlocal([c.ring for c in carries]),
+      opt_state=unlocal([c.opt_state for c in carries]),
+      grads=unlocal([tick_lib.accumulated(c) for c in carries]),
+      buffers=unlocal([c.buffers for c in carries]),
       history=InputHistory(keep(window.inputs), keep(window.targets)),
-      sync=unlocal(carry.sync), step=step + 1,
-      stage_state=unlocal(carry.stage_state))
+      sync=unlocal([c.sync for c in carries]), step=step + 1,
+      stage_state=unlocal([c.stage_state for c in carries]))
   return new, {"loss": loss, "num_losses": num_losses, **metrics}
 
 
@@ -178,7 +185,10 @@ class Pipeline:
       optimizer with `predict(state, weights, *, ahead, since_forward)`
       (`stalepipe.optim.WeightPrediction`, `SpecTrain`, `PipeMare`) decides
       the weights every forward and backward reads.
-    mesh: a mesh with axes ('data', 'stage'); its 'stage' size must be S.
+    mesh: a mesh with axes ('data', 'stage'); its 'stage' size P must
+      divide S: each device runs S/P stages (`placement`) in every tick,
+      with the same numerics whatever P (one device runs the whole
+      pipeline).
     sync: what crosses the 'data' axis (`stalepipe.sync`); default BSP.
     lowering: how a tick dispatches each stage's task (`dispatch.LOWERINGS`).
     remat: "recompute" (a backward task recomputes the forward from the kept
@@ -201,6 +211,10 @@ class Pipeline:
       full delay compensation, else "stage").
     seed: whence every task's PRNG key, for stages that take `key`
       (`stage.py`: one key per minibatch, micro-batch, stage and replica).
+    placement: which stages each device on 'stage' holds
+      (`placement.names()`): "consecutive" (default; device d the d-th run
+      of S/P stages), "loop" (stage s on device s mod P) or "v" (S = 2P;
+      device r holds stages r and 2P-1-r).
 
   Examples:
     >>> import jax, optax, stalepipe as sp
@@ -219,13 +233,12 @@ class Pipeline:
                mesh: Mesh, sync: sync_lib.SyncPolicy | None = None,
                lowering: str = "nested_switch", remat: str = "recompute",
                layout: str = "packed", optimizer_scope: str = "auto",
-               seed: int = 0):
+               seed: int = 0, placement: str = "consecutive"):
     if tuple(mesh.axis_names) != (DATA, STAGE):
       raise ValueError(f"mesh axes {tuple(mesh.axis_names)} are invalid; "
                        f"valid: ({DATA!r}, {STAGE!r})")
-    if mesh.shape[STAGE] != schedule.num_stages:
-      raise ValueError(f"mesh 'stage' size {mesh.shape[STAGE]} does not fit "
-                       f"{schedule.num_stages} stages; valid: equal sizes")
+    self.placement = placement_lib.make(placement, schedule.num_stages,
+                                        mesh.shape[STAGE])
     sync = sync or sync_lib.bsp(mesh.shape[DATA])
     contract.check(stage_fns, schedule, optimizer, sync, mesh.shape[DATA])
     residuals_lib.check(remat, schedule, optimizer)
@@ -281,10 +294,16 @@ class Pipeline:
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
   def _per_device(self, tree):
-    """Per-stage leaves `[S, ...]`, the same on every replica: `[D, S, ...]`."""
+    """Per-stage leaves `[S, ...]` in stage order, the same on every
+    replica: `[D, S, ...]`, rows in the placement's order."""
+    order = self.placement.order
     return jax.tree.map(
-        lambda v: self._put(np.broadcast_to(np.asarray(v), (self.num_replicas,)
-                                            + np.shape(v)), _PER_DEVICE), tree)
+        lambda v: self._put(np.broadcast_to(np.asarray(v)[order], (
+            self.num_replicas,) + np.shape(v)), _PER_DEVICE), tree)
+
+  def _stage_rows(self, x) -> np.ndarray:
+    """Replica rows `[D, S, ...]` of a state leaf, in stage order."""
+    return self._fetch(x)[:, self.placement.rows]
 
   def init(self, stage_params: Sequence[Any],
            stage_states: Sequence[Any] | None = None) -> PipelineState:
@@ -321,11 +340,11 @@ class Pipeline:
 
   def params(self, state: PipelineState, replica: int = 0) -> tuple[Any, ...]:
     """The latest weights of the S stages held by data replica `replica`."""
-    versions = self._fetch(state.ring.versions)[replica]
-    latest = self._fetch(state.ring.latest)[replica]
+    versions = self._stage_rows(state.ring.versions)[replica]
+    latest = self._stage_rows(state.ring.latest)[replica]
     slots = [int(np.argmax(versions[s] == latest[s]))
              for s in range(len(self.stage_fns))]
-    flat = {k: self._fetch(v)[replica][np.arange(len(slots)), slots]
+    flat = {k: self._stage_rows(v)[replica][np.arange(len(slots)), slots]
             for k, v in state.ring.params.items()}
     return self._param_packing.unpack_all(flat)
 
@@ -335,7 +354,8 @@ class Pipeline:
     for a stage without; None if no stage has one)."""
     if state.stage_state is None:
       return None
-    flat = {k: self._fetch(v)[replica] for k, v in state.stage_state.items()}
+    flat = {k: self._stage_rows(v)[replica]
+            for k, v in state.stage_state.items()}
     return stage_lib.given_states(self._wants,
                                   self._state_packing.unpack_all(flat))
 
@@ -496,7 +516,8 @@ class Pipeline:
         boundaries=boundary_lib.analyse(stage_inputs[:-1]),
         output=stage_inputs[-1][0], wants=self._wants,
         states=self._state_packing, objective=objective,
-        seed=self.seed, num_microbatches=self.schedule.num_microbatches)
+        seed=self.seed, num_microbatches=self.schedule.num_microbatches,
+        placement=self.placement)
 
     @jax.jit
     def evaluate_fn(state, inputs, targets):
@@ -567,7 +588,8 @@ class Pipeline:
         split=split, stale_schedule=self._stale_schedule,
         wants=self._wants, seed=self.seed,
         whole_model=self.optimizer_scope == "model",
-        states=self._state_packing, objective=objective)
+        states=self._state_packing, objective=objective,
+        placement=self.placement)
 
   def _bound_input(self, s: int, x):
     """Stage s's input `x` (shapes) as its bound function takes it

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 
 from stalepipe.pipeline import boundary as boundary_lib
 from stalepipe.pipeline import packing
+from stalepipe.pipeline import placement as placement_lib
 from stalepipe.pipeline import stage as stage_lib
 from stalepipe.pipeline import tick as tick_lib
 from stalepipe.pipeline.state import PipelineState, local
@@ -39,6 +40,7 @@ class Forward(NamedTuple):
   objective: Any  # `objective`'s shapes: (loss, metrics)
   seed: int
   num_microbatches: int  # M
+  placement: placement_lib.Placement  # the stages each device holds
 
 
 def objective(loss_fn: Callable, out, target):
@@ -77,6 +79,18 @@ def _forward(ctx: Forward, s: int, inputs, targets, weights, states, replica,
           y[0])
 
 
+def _slot(ctx: Forward, state: PipelineState, inputs, targets, replica,
+          device, j: int):
+  """Slot j of this device: its stage and the forward of each stage a
+  device may hold there (`placement.py`), on its latest weights."""
+  candidates = ctx.placement.stages[:, j]
+  weights = tick_lib.read_version(local(state.ring, j), 0)
+  branches = [functools.partial(_forward, ctx, int(s), inputs, targets,
+                                weights, local(state.stage_state, j), replica)
+              for s in candidates]
+  return jnp.asarray(candidates)[device], branches
+
+
 def run(ctx: Forward, state: PipelineState, inputs, targets):
   """The shard_map body: the window's forwards on this device.
 
@@ -87,34 +101,35 @@ def run(ctx: Forward, state: PipelineState, inputs, targets):
   """
   S, M = len(ctx.fns), ctx.num_microbatches
   N = jax.tree.leaves(inputs)[0].shape[0] * M
-  stage, replica = jax.lax.axis_index(STAGE), jax.lax.axis_index(DATA)
-  ring = local(state.ring)
-  weights = tick_lib.read_version(ring, 0)
-  states = local(state.stage_state)
-  zeros = _zero_objective(ctx)
+  device, replica = jax.lax.axis_index(STAGE), jax.lax.axis_index(DATA)
+  slots = [_slot(ctx, state, inputs, targets, replica, device, j)
+           for j in range(ctx.placement.num_slots)]
   empty = jax.tree.map(lambda o: jnp.zeros((N,) + o.shape, o.dtype),
                        ctx.output)
-
-  branches = [functools.partial(_forward, ctx, s, inputs, targets, weights,
-                                states, replica) for s in range(S)]
+  nothing = tick_lib.zero_row(ctx.boundaries.acts.lengths)
 
   def one_tick(carry, t):
     received, loss_sum, outputs = carry
-    item = t - stage
-    valid = (item >= 0) & (item < N)
-    send, loss, out = jax.lax.switch(stage, branches, received,
-                                     jnp.clip(item, 0, N - 1))
-    loss_sum = jax.tree.map(lambda a, v: a + jnp.where(valid, v, 0.0),
-                            loss_sum, loss)
-    outputs = jax.tree.map(
-        lambda buf, o: jnp.where(valid & (stage == S - 1),
-                                 buf.at[jnp.clip(item, 0, N - 1)].set(o), buf),
-        outputs, out)
-    received = jax.lax.ppermute(send, STAGE,
-                                [(s, s + 1) for s in range(S - 1)])
+    sends = []
+    for (stage, branches), got in zip(slots, received):
+      item = t - stage
+      valid = (item >= 0) & (item < N)
+      send, loss, out = jax.lax.switch(device, branches, got,
+                                       jnp.clip(item, 0, N - 1))
+      loss_sum = jax.tree.map(lambda a, v: a + jnp.where(valid, v, 0.0),
+                              loss_sum, loss)
+      outputs = jax.tree.map(
+          lambda buf, o, item=item, keep=valid & (stage == S - 1): jnp.where(
+              keep, buf.at[jnp.clip(item, 0, N - 1)].set(o), buf),
+          outputs, out)
+      sends.append(send)
+    received = [nothing] * len(slots)
+    for h in ctx.placement.hops(1):
+      received[h.dest] = tick_lib.hop(ctx.placement, sends[h.source], h,
+                                      device, received[h.dest])
     return (received, loss_sum, outputs), None
 
-  start = (tick_lib.zero_row(ctx.boundaries.acts.lengths), zeros, empty)
+  start = ([nothing] * len(slots), _zero_objective(ctx), empty)
   (_, loss_sum, outputs), _ = jax.lax.scan(one_tick, start,
                                            jnp.arange(N + S - 1))
   loss, metrics = jax.tree.map(

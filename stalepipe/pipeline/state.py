@@ -1,14 +1,17 @@
 """What a pipeline carries between windows and between ticks, as typed trees.
 
 Every leaf of `PipelineState` holds all replicas and stages: `[D, S, ...]`
-for what lives on one ('data', 'stage') device, sharded over both axes. Inside
-the shard_map program each device sees its own `[1, 1, ...]` block, which
-`local` squeezes to the per-device view the tick functions work on.
+for what lives with one stage of one replica, sharded over ('data',
+'stage'); row r of the S holds stage `placement.order[r]`. Inside the
+shard_map program each device sees its own `[1, F, ...]` block (F stages a
+device), which `local` cuts into the per-stage views the tick functions
+work on.
 """
 
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Sequence
 
 import jax
+import jax.numpy as jnp
 
 from stalepipe.pipeline import packing
 
@@ -75,11 +78,12 @@ class TickCarry(NamedTuple):
   stage_state: packing.Flat | None  # dtype -> [L_state]: this stage's state
 
 
-def local(tree):
-  """The per-device view of `[1, 1, ...]` blocks."""
-  return jax.tree.map(lambda v: v[0, 0], tree)
+def local(tree, slot: int = 0):
+  """The view of local slot `slot` in a device's `[1, F, ...]` blocks (F
+  stages a device, `placement.py`)."""
+  return jax.tree.map(lambda v: v[0, slot], tree)
 
 
-def unlocal(tree):
-  """The inverse of `local`."""
-  return jax.tree.map(lambda v: v[None, None], tree)
+def unlocal(trees: Sequence[Any]):
+  """The inverse of `local`: the F slots' views as `[1, F, ...]` blocks."""
+  return jax.tree.map(lambda *v: jnp.stack(v)[None], *trees)

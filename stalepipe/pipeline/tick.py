@@ -34,6 +34,7 @@ from stalepipe import sync as sync_lib
 from stalepipe.pipeline import boundary as boundary_lib
 from stalepipe.pipeline import contract
 from stalepipe.pipeline import packing
+from stalepipe.pipeline import placement as placement_lib
 from stalepipe.pipeline import program as program_lib
 from stalepipe.pipeline import residuals as residuals_lib
 from stalepipe.pipeline import split_backward as split_lib
@@ -75,6 +76,8 @@ class Stages(NamedTuple):
   seed: int  # the run's seed, whence every task's key (`stage.key_data`)
   whole_model: bool  # `scope.py`: the update rule steps on all stages'
   #   trees together (gathered over 'stage'), else on each stage's own
+  placement: placement_lib.Placement  # which stage sits in which slot of
+  #   which device on 'stage' (`placement.py`)
 
   @property
   def num_stages(self) -> int:
@@ -94,8 +97,19 @@ class Window(NamedTuple):
   plan: dict  # the sync policy's plan, rows [(H+1)B, ...]
   base: jax.Array  # int32 []: slot offset of this window's micro-batches
   step: jax.Array  # int32 []: windows run before this one
-  stage: jax.Array  # int32 []: this device's stage
+  stage: jax.Array  # int32 []: the stage of the slot running (`at_slot`)
   replica: jax.Array  # int32 []: this device's data replica
+  device: jax.Array  # int32 []: this device's index on 'stage'
+  candidates: tuple[int, ...] = ()  # the stage each device holds in the
+  #   slot running: what dispatch chooses from, by `device`
+
+
+def at_slot(ctx: Stages, window: Window, j: int) -> Window:
+  """`window` as slot j of this device sees it: its stage, and the stages
+  the devices hold in slot j (one per device), which dispatch picks from."""
+  candidates = ctx.placement.stages[:, j]
+  return window._replace(stage=jnp.asarray(candidates)[window.device],
+                         candidates=tuple(int(s) for s in candidates))
 
 
 class TaskOutput(NamedTuple):
@@ -201,10 +215,12 @@ def no_output(ctx: Stages) -> TaskOutput:
 
 
 def add_losses(carry: TickCarry, total, count, metrics: dict) -> TickCarry:
-  """The carry with `count` micro-batches' losses and metrics (sums) added."""
+  """The carry with `count` micro-batches' losses and metrics (sums) added,
+  in the carry's float32 (a float64 model's losses too)."""
+  add = lambda a, v: a + jnp.asarray(v, a.dtype)  # pylint: disable=unnecessary-lambda-assignment
   return carry._replace(
-      loss_sum=carry.loss_sum + total, num_losses=carry.num_losses + count,
-      metric_sums=jax.tree.map(jnp.add, carry.metric_sums, metrics))
+      loss_sum=add(carry.loss_sum, total), num_losses=carry.num_losses + count,
+      metric_sums=jax.tree.map(add, carry.metric_sums, metrics))
 
 
 def zero_objective(ctx: Stages):
@@ -403,9 +419,9 @@ def run_tasks(ctx: Stages, carry: TickCarry, instr, window: Window):
     # Code 0 (idle) stays first in each group, as every lowering expects.
     position = np.zeros(len(kinds) + 1, np.int32)
     position[codes] = np.arange(1, len(codes) + 1)
-    rows = [[lambda *a, fn=row[code]: gradient(*fn(*a))
-             for code in [0] + codes] for row in branches]
-    return ctx.lowering(window.stage, jnp.asarray(position)[instr.kind],
+    rows = [[lambda *a, fn=branches[s][code]: gradient(*fn(*a))
+             for code in [0] + codes] for s in window.candidates]
+    return ctx.lowering(window.device, jnp.asarray(position)[instr.kind],
                         rows, c._replace(grads=(), grads_spent=()), instr,
                         window)
 
@@ -437,22 +453,47 @@ def keep_residuals(carry: TickCarry, output: TaskOutput) -> TickCarry:
                           output.op_cotangents_slot)))
 
 
-def exchange(ctx: Stages, output: TaskOutput, rows) -> TaskOutput:
-  """Every send moves one hop along 'stage'; a direction in which no stage
-  sends this tick (every device sees every stage's row, so all agree) skips
-  its `ppermute`, the dearest part of a tick on emulated CPU devices."""
-  S = ctx.num_stages
+def hop(placement: placement_lib.Placement, x, hop_: placement_lib.Hop,
+        device, into, recv=None):
+  """`into` (slot `hop_.dest`'s arrivals) with what this device receives
+  through `hop_`: a copy within the device, or a `ppermute` along 'stage',
+  skipped when `recv` (the stages' rows, where given) says no receiver of
+  it files anything this tick (every device sees every stage's row, so all
+  agree; a `ppermute` is the dearest part of a tick on emulated CPU
+  devices)."""
+  P, hop = placement.num_devices, hop_
+  select = lambda devices, a, b: jax.tree.map(  # pylint: disable=unnecessary-lambda-assignment
+      lambda u, v: jnp.where(jnp.asarray(np.isin(np.arange(P), devices))[
+          device], u, v), a, b)
+  if hop.local():
+    into = select(hop.local(), x, into)
+  remote = hop.remote()
+  if remote:
+    move = lambda: jax.lax.ppermute(x, STAGE, [(d, e) for d, e, _ in remote])  # pylint: disable=unnecessary-lambda-assignment
+    moved = move() if recv is None else jax.lax.cond(
+        jnp.any(recv[np.asarray([t for _, _, t in remote])] >= 0), move,
+        lambda: jax.tree.map(jnp.zeros_like, x))
+    into = select([e for _, e, _ in remote], moved, into)
+  return into
 
-  def hop(x, sent, pairs):
-    return jax.lax.cond(jnp.any(sent >= 0),
-                        lambda: jax.lax.ppermute(x, STAGE, pairs),
-                        lambda: jax.tree.map(jnp.zeros_like, x))
 
-  return output._replace(
-      forward=hop(output.forward, rows.recv_forward,
-                  [(s, s + 1) for s in range(S - 1)]),
-      backward=hop(output.backward, rows.recv_backward,
-                   [(s + 1, s) for s in range(S - 1)]))
+def exchange(ctx: Stages, outputs: list[TaskOutput], rows,
+             device) -> list[TaskOutput]:
+  """Every send moves to the next stage (activations) or the previous one
+  (cotangents), wherever the placement holds it (`placement.Hop`); returns,
+  per slot of this device, what arrives there this tick (zeros where
+  nothing does)."""
+  arrived = [output._replace(
+      forward=jax.tree.map(jnp.zeros_like, output.forward),
+      backward=jax.tree.map(jnp.zeros_like, output.backward))
+             for output in outputs]
+  for field, recv, step in (("forward", rows.recv_forward, 1),
+                            ("backward", rows.recv_backward, -1)):
+    for h in ctx.placement.hops(step):
+      got = hop(ctx.placement, getattr(outputs[h.source], field), h, device,
+                getattr(arrived[h.dest], field), recv)
+      arrived[h.dest] = arrived[h.dest]._replace(**{field: got})
+  return arrived
 
 
 def file_arrivals(ctx: Stages, carry: TickCarry, received: TaskOutput, instr,
@@ -490,27 +531,32 @@ def optimizer_step(ctx: Stages, s: int, carry: TickCarry, grads, instr):
           ctx.opt.pack(s, opt_state))
 
 
-def model_step(ctx: Stages, carry: TickCarry, grads, instr):
+def model_step(ctx: Stages, carries, grads, instr):
   """The optimizer on the whole model (`scope.py`): every stage's gradient,
-  weights and extra arguments gathered over 'stage', the rule stepped on the
-  tuple of the S stage trees with the whole model's state (each stage holds
-  a copy). Every device computes the same update; returns the S new stage
-  trees and the new state."""
-  S = ctx.num_stages
+  weights and extra arguments gathered over this device's slots and over
+  'stage', the rule stepped on the tuple of the S stage trees with the
+  whole model's state (each stage holds a copy). Every device computes the
+  same update; returns the S new stage trees and the new state."""
+  stages = ctx.placement.stages
 
-  def whole(flat):
-    gathered = {k: jax.lax.all_gather(v, STAGE) for k, v in flat.items()}
-    return tuple(ctx.params.unpack(s, {k: v[s] for k, v in gathered.items()})
-                 for s in range(S))
+  def whole(flats):
+    gathered = [{k: jax.lax.all_gather(v, STAGE) for k, v in flat.items()}
+                for flat in flats]
+    trees = {int(s): ctx.params.unpack(int(s), {
+        k: v[d] for k, v in gathered[j].items()})
+             for (d, j), s in np.ndenumerate(stages)}
+    return tuple(trees[s] for s in range(ctx.num_stages))
 
-  current = whole(read_version(carry.ring, 0))
+  current = whole([read_version(c.ring, 0) for c in carries])
   kwargs = contract.extra_args(
       ctx.optimizer, ctx.stale_schedule,
-      stale_params=whole(read_version(carry.ring, instr.update_lag)),
+      stale_params=whole([read_version(c.ring, instr.update_lag)
+                          for c in carries]),
       staleness=instr.update_staleness,
-      local_updates=whole(accumulated(carry)))
+      local_updates=whole([accumulated(c) for c in carries]))
   updates, opt_state = ctx.optimizer.update(
-      whole(grads), ctx.opt.unpack(0, carry.opt_state), current, **kwargs)
+      whole(grads), ctx.opt.unpack(0, carries[0].opt_state), current,
+      **kwargs)
   return optax.apply_updates(current, updates), opt_state
 
 
@@ -526,26 +572,21 @@ def write_version(ring: WeightRing, params: packing.Flat, evict) -> WeightRing:
 
 
 @jax.named_scope("update")
-def apply_update(ctx: Stages, window: Window, carry: TickCarry,
-                 instr) -> TickCarry:
-  """The minibatch's update on this stage, with the sync policy around it
-  (its ops named `update` in the compiled program and profiler traces).
+def apply_update(ctx: Stages, window: Window, carry: TickCarry, instr, grads,
+                 step: Callable) -> TickCarry:
+  """The minibatch's update on this slot's stage, with the sync policy
+  around it (its ops named `update` in the compiled program and profiler
+  traces): `step(s, carry, grads, instr)` gives stage s's new packed weights
+  and optimizer state from `grads`, the policy's reduced gradient.
 
   Only the optimizer step depends on the stage (its layout); the policy's
   collectives run once, outside any stage-dependent branch.
   """
-  grads = ctx.sync.reduce_gradient(accumulated(carry), DATA)
-  if ctx.whole_model:
-    new, new_state = model_step(ctx, carry, grads, instr)
-    step = lambda s, c, g, i: (ctx.params.pack(s, new[s]),  # pylint: disable=unnecessary-lambda-assignment
-                               ctx.opt.pack(s, new_state))
-  else:
-    step = functools.partial(optimizer_step, ctx)
   (params, opt_state), _ = ctx.lowering(
-      window.stage, 1,
+      window.device, 1,
       [[lambda c, g, i: ((read_version(c.ring, 0), c.opt_state), ()),
         lambda c, g, i, s=s: (step(s, c, g, i), ())]
-       for s in range(ctx.num_stages)], carry, grads, instr)
+       for s in window.candidates], carry, grads, instr)
   rel = instr.update_minibatch
   event = sync_lib.UpdateEvent(
       minibatch=(window.step - ctx.program.history) * ctx.window_minibatches
@@ -558,14 +599,47 @@ def apply_update(ctx: Stages, window: Window, carry: TickCarry,
       grads_spent=jnp.ones((), bool), sync=sync_state)
 
 
-def tick(ctx: Stages, window: Window, carry: TickCarry, rows):
-  """One tick on this device; `rows` holds every stage's row."""
-  instr = jax.tree.map(lambda column: column[window.stage], rows)
-  carry, output = run_tasks(ctx, carry, instr, window)
-  carry = keep_residuals(carry, output)
-  carry = file_arrivals(ctx, carry, exchange(ctx, output, rows), instr,
-                        window)
-  carry = jax.lax.cond(instr.update == 1,
-                       lambda c: apply_update(ctx, window, c, instr),
-                       lambda c: c, carry)
-  return carry, None
+def reduced_gradient(ctx: Stages, carry: TickCarry):
+  """The minibatch's gradient as the sync policy reduces it over 'data'."""
+  return ctx.sync.reduce_gradient(accumulated(carry), DATA)
+
+
+def apply_updates(ctx: Stages, windows, carries, instrs) -> tuple:
+  """Each slot's update where its row names one: its stage's own
+  (`optimizer_step`), or with the model scope one step of the whole model,
+  which every stage applies at the same tick (`Schedule.together`)."""
+  if not ctx.whole_model:
+    own = functools.partial(optimizer_step, ctx)
+    return tuple(jax.lax.cond(
+        i.update == 1,
+        lambda c, w=w, i=i: apply_update(ctx, w, c, i,
+                                         reduced_gradient(ctx, c), own),
+        lambda c: c, c) for w, c, i in zip(windows, carries, instrs))
+
+  def together(cs):
+    grads = [reduced_gradient(ctx, c) for c in cs]
+    new, new_state = model_step(ctx, cs, grads, instrs[0])
+    step = lambda s, c, g, i: (ctx.params.pack(s, new[s]),  # pylint: disable=unnecessary-lambda-assignment
+                               ctx.opt.pack(s, new_state))
+    return tuple(apply_update(ctx, w, c, i, g, step)
+                 for w, c, i, g in zip(windows, cs, instrs, grads))
+
+  return jax.lax.cond(instrs[0].update == 1, together, lambda cs: cs,
+                      tuple(carries))
+
+
+def tick(ctx: Stages, window: Window, carries: tuple, rows):
+  """One tick on this device: the task of each of its slots' stages (`rows`
+  holds every stage's row), the sends, the arrivals filed, the updates."""
+  windows = [at_slot(ctx, window, j) for j in range(len(carries))]
+  instrs = [jax.tree.map(lambda column, w=w: column[w.stage], rows)
+            for w in windows]
+  done, outputs = [], []
+  for w, c, i in zip(windows, carries, instrs):
+    c, output = run_tasks(ctx, c, i, w)
+    done.append(keep_residuals(c, output))
+    outputs.append(output)
+  received = exchange(ctx, outputs, rows, window.device)
+  done = [file_arrivals(ctx, c, r, i, w)
+          for w, c, r, i in zip(windows, done, received, instrs)]
+  return apply_updates(ctx, windows, done, instrs), None

@@ -78,18 +78,19 @@ class Parts(NamedTuple):
 
 
 def make_mesh(num_replicas: int, num_stages: int) -> jax.sharding.Mesh:
-  """A ('data', 'stage') mesh over the first D * S devices of all processes."""
+  """A ('data', 'stage') mesh over the first D * S devices of all processes
+  (`num_stages`: the devices on 'stage', `stage_devices` where folded)."""
   devices = jax.devices()
   need = num_replicas * num_stages
   if need > len(devices):
     raise ValueError(
-        f"mesh num_replicas x num_stages = {num_replicas} x {num_stages} = "
+        f"mesh num_replicas x stage devices = {num_replicas} x {num_stages} = "
         f"{need} devices does not fit the {len(devices)} "
         f"{devices[0].platform.upper()} devices here; valid: at most "
         f"{len(devices)}")
   if jax.process_count() > 1 and need != len(devices):
     raise ValueError(
-        f"mesh num_replicas x num_stages = {need} devices leaves some of the "
+        f"mesh num_replicas x stage devices = {need} devices leaves some of the "
         f"{jax.process_count()} processes without a device; valid: exactly "
         f"{len(devices)} (all devices of all processes)")
   return jax.make_mesh((num_replicas, num_stages),
@@ -178,7 +179,7 @@ def parts(config: ml_collections.ConfigDict) -> Parts:
   """
   validate.check(config)
   D, S = config.num_replicas, config.num_stages
-  mesh = make_mesh(D, S)
+  mesh = make_mesh(D, config.get("stage_devices", 0) or S)
   shards, ds = _shards(config, mesh)
   _check_window(config, shards)  # before the schedule and the pipeline
   blocks = models.make(config.model, seed=config.seed, **config.model_kwargs,
@@ -197,7 +198,8 @@ def parts(config: ml_collections.ConfigDict) -> Parts:
       staged.stage_fns, loss_fn, schedule,
       optimizers.from_config(config, num_replicas=D), mesh,
       sync=_sync(config, schedule), remat=config.get("remat", "recompute"),
-      optimizer_scope=config.get("optimizer_scope", "auto"))
+      optimizer_scope=config.get("optimizer_scope", "auto"),
+      placement=config.get("placement", "consecutive"))
   run = Parts(config, mesh, shards, (ds.x_test, ds.y_test), staged, loss_fn,
               schedule, pipeline, _hook_factories(config))
   run.batch(0)  # a window that does not fit the data fails here

@@ -31,6 +31,7 @@ from stalepipe import registry
 from stalepipe import schedules
 from stalepipe import sync as sync_lib
 from stalepipe.models import losses
+from stalepipe.pipeline import placement as placement_lib
 from stalepipe.pipeline import residuals as residuals_lib
 from stalepipe.pipeline import scope as scope_lib
 from stalepipe.train import optimizers
@@ -48,6 +49,7 @@ _SEED = (lambda v: _is_int(v) and 0 <= v < 2**32, "an integer in [0, 2**32)")
 TOP_LEVEL = {
     "seed": _SEED,
     "num_stages": _POSITIVE_INT,
+    "stage_devices": (_NATURAL_INT[0], "an integer >= 0 (0: num_stages)"),
     "num_replicas": _POSITIVE_INT,
     "num_microbatches": _POSITIVE_INT,
     "microbatch_size": _POSITIVE_INT,
@@ -255,6 +257,21 @@ def _check_remat(config) -> None:
                   " or ".join(map(repr, residuals_lib.REMATS))))
 
 
+def _check_placement(config) -> None:
+  """`placement` names one, and `stage_devices` fits `num_stages` there
+  (building the placement checks it)."""
+  name = config.get("placement", "consecutive")
+  if name not in placement_lib.names():
+    _fail("placement", name, ", ".join(placement_lib.names()))
+  devices = config.get("stage_devices", 0) or config.num_stages
+  try:
+    placement_lib.make(name, config.num_stages, devices)
+  except ValueError as e:
+    _fail("stage_devices", config.stage_devices,
+          f"{str(e).partition('valid: ')[2]} (num_stages={config.num_stages}"
+          f", placement={name!r}), or 0 for num_stages")
+
+
 def _check_optimizer_scope(config) -> None:
   if "optimizer_scope" in config:
     _check_range("optimizer_scope", config.optimizer_scope,
@@ -301,3 +318,4 @@ def check(config) -> None:
   _check_update_rule(config)
   _check_remat(config)
   _check_optimizer_scope(config)
+  _check_placement(config)

@@ -1,0 +1,127 @@
+"""A folded pipeline on one device against a plain jitted training step.
+
+One model of `--blocks` blocks `H x H` (`stalepipe.models.mlp`), cut into S
+stages for each S of `--stages`, runs `--schedule` with all S stages folded
+onto ONE device (`Pipeline(placement="consecutive")` on a 1 x 1 mesh). The
+reference is a plain jitted step of the same work: for each of the window's B
+minibatches, the mean gradient of the whole model over its M micro-batches
+(a `lax.scan` accumulating), then SGD. Both are timed interleaved in one run;
+the figure is the ratio executor / plain per S (median of `--repeats`),
+which is what folding costs over the work itself: the ticks, the task
+dispatch, the buffers.
+
+  python experiments/folding_speed.py --stages=1,2,4,8,16,32 --repeats=5
+  taskset -c 0 python experiments/folding_speed.py ...   # one core
+
+Results: `folding_speed.json` under `--out_dir` (docs/executor.md quotes it).
+"""
+
+import executor_common  # pylint: disable=g-bad-import-order,unused-import  (8 CPU devices)
+
+import functools
+
+from absl import flags
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import harness
+import stalepipe as sp
+from stalepipe.models.losses import cross_entropy
+from stalepipe.pipeline import executor
+
+STAGES = flags.DEFINE_list("stages", ["1", "2", "4", "8", "16", "32"],
+                           "Stage counts S (each divides --blocks).")
+BLOCKS = flags.DEFINE_integer("blocks", 32, "Blocks of the model, fixed.")
+SCHEDULE = flags.DEFINE_string("schedule", "1f1b", "Schedule to fold.")
+REMAT = flags.DEFINE_enum("remat", "residuals", ["residuals", "recompute"],
+                          "The executor's remat (recompute adds a forward).")
+WINDOW = flags.DEFINE_integer("window", 2, "Minibatches per window, B.")
+LR = 0.01
+
+
+def plain_step(staged, num_microbatches: int):
+  """The jitted plain step: per minibatch, the mean gradient over its
+  micro-batches, then SGD, for the window's B minibatches."""
+  model = sp.models.unpipelined(staged)
+  loss = lambda p, x, y: cross_entropy(model(p, x), y)  # pylint: disable=unnecessary-lambda-assignment
+
+  def minibatch(params, xy):
+    def accumulate(total, xy_m):
+      value, grads = jax.value_and_grad(loss)(params, *xy_m)
+      return jax.tree.map(jnp.add, total, grads), value
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    grads, values = jax.lax.scan(accumulate, zeros, xy)
+    params = jax.tree.map(lambda p, g: p - LR * g / num_microbatches, params,
+                          grads)
+    return params, values.mean()
+
+  @functools.partial(jax.jit, donate_argnums=(0,))
+  def step(params, x, y):
+    return jax.lax.scan(minibatch, params, (x, y))
+
+  return step
+
+
+def variants(S: int, x, y) -> dict:
+  """The folded executor and the plain step for S stages, as callables."""
+  H, M = flags.FLAGS.hidden, flags.FLAGS.micro
+  staged = sp.models.split(sp.models.mlp(H, H, BLOCKS.value - 1, H), S)
+  schedule = executor_common.make_schedule(SCHEDULE.value, S, M, WINDOW.value)
+  mesh = jax.make_mesh((1, 1), ("data", "stage"), devices=jax.devices()[:1])
+  pipe = executor.Pipeline(staged.stage_fns, cross_entropy, schedule,
+                           optax.sgd(LR), mesh, remat=REMAT.value)
+  step_fn, state, args = executor_common.step_function(
+      pipe, pipe.init(staged.stage_params), x, y)
+  box = [state]
+
+  def folded():
+    box[0], metrics = step_fn(box[0], *args)
+    jax.block_until_ready(metrics)
+
+  plain = plain_step(staged, M)
+  params = [jax.device_put(tuple(staged.stage_params), jax.devices()[0])]
+  xs, ys = jax.device_put((x, y), jax.devices()[0])
+
+  def reference():
+    params[0], losses = plain(params[0], xs, ys)
+    jax.block_until_ready(losses)
+
+  return {f"folded_S{S}": folded, f"plain_S{S}": reference}
+
+
+def main(argv):
+  del argv
+  stages = [int(s) for s in STAGES.value]
+  for S in stages:
+    if S < 1 or BLOCKS.value % S:
+      raise ValueError(f"--stages value {S} is invalid; valid: a divisor of "
+                       f"--blocks={BLOCKS.value}")
+  H, M = flags.FLAGS.hidden, flags.FLAGS.micro
+  x, y = executor_common.make_batch(WINDOW.value, M, flags.FLAGS.batch, H)
+  runs = {}
+  for S in stages:
+    runs.update(variants(S, x, y))
+  times = executor_common.interleaved_samples(runs)
+  rows = []
+  for S in stages:
+    folded = harness.median(times[f"folded_S{S}"])
+    plain = harness.median(times[f"plain_S{S}"])
+    ratios = [f / p for f, p in zip(times[f"folded_S{S}"],
+                                    times[f"plain_S{S}"])]
+    rows.append({"stages": S, "folded_s": folded, "plain_s": plain,
+                 "ratio": float(np.median(ratios))})
+    print(f"S={S:3d}  folded {folded * 1e3:8.1f} ms  plain "
+          f"{plain * 1e3:8.1f} ms  ratio {rows[-1]['ratio']:.2f}")
+  harness.record("folding_speed", {
+      "config": executor_common.config("hidden", "batch", "micro", "blocks",
+                                       "schedule", "remat", "window",
+                                       "repeats"),
+      "rows": rows})
+
+
+if __name__ == "__main__":
+  flags.FLAGS.set_default("hidden", 256)
+  flags.FLAGS.set_default("batch", 32)
+  harness.run(main)
