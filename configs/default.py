@@ -52,7 +52,8 @@ VARIANTS = {
                            "cache_dir": "~/.cache/stalepipe"},
         "model": "transformer", "loss": "lm_cross_entropy",
         "model_kwargs": {"d_model": 64, "num_heads": 4, "num_layers": 4,
-                         "fuse_ends": True, "dtype": "float32"},
+                         "fuse_ends": True, "positions": "learned",
+                         "dtype": "float32"},
         "optimizer_kwargs": {"learning_rate": 3e-3}, "microbatch_size": 4},
 }
 

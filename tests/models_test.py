@@ -140,13 +140,16 @@ def test_resnet_param_count(bottleneck):
   assert num_params == want
 
 
-def test_transformer_param_count():
+@pytest.mark.parametrize("positions", ["learned", "rotary"])
+def test_transformer_param_count(positions):
   v, d, h, n, f, max_len = 13, 8, 2, 3, 20, 9
   num_params = _num_params(lambda: models.transformer(
-      v, d_model=d, num_heads=h, num_layers=n, d_ff=f, max_len=max_len))
+      v, d_model=d, num_heads=h, num_layers=n, d_ff=f, max_len=max_len,
+      positions=positions))
   attention = 2 * d + (d * 3 * d + 3 * d) + (d * d + d)
   mlp = 2 * d + (d * f + f) + (f * d + d)
-  want = v * d + max_len * d + n * (attention + mlp) + 2 * d + d * v + v
+  table = max_len * d if positions == "learned" else 0
+  want = v * d + table + n * (attention + mlp) + 2 * d + d * v + v
   assert num_params == want
 
 
@@ -171,10 +174,26 @@ def _np_gelu(x):
   return 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x**3)))
 
 
-def test_decoder_block_matches_numpy():
+def _np_rotary(x, base=10_000.0):
+  """RoFormer's rotation of features (i, i + K/2) at position l by l θ_i,
+  one position and one frequency at a time."""
+  out = x.copy()
+  half = x.shape[-1] // 2
+  for pos in range(x.shape[1]):
+    for i in range(half):
+      angle = pos * base ** (-2 * i / x.shape[-1])
+      a, b = x[:, pos, :, i], x[:, pos, :, i + half]
+      out[:, pos, :, i] = a * np.cos(angle) - b * np.sin(angle)
+      out[:, pos, :, i + half] = b * np.cos(angle) + a * np.sin(angle)
+  return out
+
+
+@pytest.mark.parametrize("positions", ["learned", "rotary"])
+def test_decoder_block_matches_numpy(positions):
   kwargs = CASES["transformer"][0]
   d, h = kwargs["d_model"], kwargs["num_heads"]
-  block = _model("transformer")[0][1]
+  block = (_model("transformer")[0][1] if positions == "learned" else
+           models.transformer(**kwargs, positions="rotary")[1])
   p = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(block, nnx.Param)))
   # The shape of the embedded CASES tokens, so the block's ops are compiled.
   x = np.random.default_rng(5).normal(size=(2, 6, d)).astype(np.float32)
@@ -186,6 +205,8 @@ def test_decoder_block_matches_numpy():
          + p["qkv"]["bias"])
   heads = qkv.reshape(2, length, 3 * h, dh)
   q, k, v = heads[:, :, :h], heads[:, :, h:2 * h], heads[:, :, 2 * h:]
+  if positions == "rotary":
+    q, k = _np_rotary(q), _np_rotary(k)
   scores = np.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(dh)
   future = np.triu(np.ones((length, length), bool), 1)
   scores = np.where(future, -np.inf, scores)
@@ -282,6 +303,10 @@ def test_bad_model_arguments_raise():
     models.vgg(image_size=4, stages=((4,), (4,), (4,)))
   with pytest.raises(ValueError, match="depths"):
     models.resnet(widths=(4, 8), depths=(1,))
+  with pytest.raises(ValueError, match="positions='sinusoidal' is invalid"):
+    models.transformer(VOCAB, d_model=8, num_heads=2, positions="sinusoidal")
+  with pytest.raises(ValueError, match="an even head width"):
+    models.transformer(VOCAB, d_model=6, num_heads=2, positions="rotary")
   with pytest.raises(ValueError, match="dtype='float16' is invalid"):
     models.transformer(VOCAB, d_model=8, num_heads=2, dtype="float16")
   with pytest.raises(ValueError, match="num_layers=0 is invalid"):
