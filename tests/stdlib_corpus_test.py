@@ -63,7 +63,7 @@ def test_no_test_window_overlaps_a_training_file(cache):
   test_text = _concatenated(files.test)
   assert len(ds.x_test) * 64 < len(test_text)  # every window inside it
   train_sizes = sum(files.sizes[p] for p in files.train)
-  train, test = stdlib_corpus.corpus_bytes(files, 0.1, cache)
+  train, test = stdlib_corpus.corpus_bytes(files, cache)
   assert len(train) == train_sizes and bytes(test) == test_text
 
 
@@ -103,7 +103,8 @@ def test_the_cache_is_written_once_and_reused(tmp_path):
   assert len(list(tmp_path.iterdir())) == 2  # another split, another file
 
 
-@pytest.mark.parametrize("damage", ["truncated", "not npy", "wrong size"])
+@pytest.mark.parametrize("damage", ["truncated", "empty", "not npy",
+                                    "wrong size"])
 def test_a_damaged_cache_file_is_rebuilt(tmp_path, damage):
   want = data.stdlib(16, cache_dir=str(tmp_path))
   want = np.array(want.x_train[:100]), np.array(want.x_test[-100:])
@@ -111,6 +112,8 @@ def test_a_damaged_cache_file_is_rebuilt(tmp_path, damage):
   if damage == "truncated":
     with open(path, "r+b") as f:
       f.truncate(path.stat().st_size // 2)
+  elif damage == "empty":
+    path.write_bytes(b"")
   elif damage == "not npy":
     path.write_bytes(b"partial")
   else:

@@ -48,8 +48,9 @@ class Files(NamedTuple):
 
   root: str
   train: tuple[str, ...]
-  test: tuple[str, ...]
+  test: tuple[str, ...]  # the files `is_test_file(path, test_fraction)`
   sizes: dict[str, int]  # bytes per file
+  test_fraction: float
 
 
 def is_test_file(relative_path: str, test_fraction: float) -> bool:
@@ -84,10 +85,10 @@ def stdlib_files(test_fraction: float = 0.1, root: str | None = None
   test = tuple(p for p in paths if is_test_file(p, test_fraction))
   held_out = set(test)
   return Files(root, tuple(p for p in paths if p not in held_out), test,
-               sizes)
+               sizes, test_fraction)
 
 
-def _cache_path(files: Files, test_fraction: float, cache_dir: str) -> str:
+def _cache_path(files: Files, cache_dir: str) -> str:
   """The cache file of `files`: a new name for any other Python, file list,
   file size or split."""
   listing = hashlib.sha256()
@@ -96,47 +97,46 @@ def _cache_path(files: Files, test_fraction: float, cache_dir: str) -> str:
   version = ".".join(map(str, sys.version_info[:3]))
   return os.path.join(
       os.path.expanduser(cache_dir),
-      f"stdlib-py{version}-{listing.hexdigest()[:16]}-test{test_fraction!r}"
+      f"stdlib-py{version}-{listing.hexdigest()[:16]}-test"
+      f"{files.test_fraction!r}"
       ".npy")
 
 
 def _write(files: Files, path: str) -> None:
-  """Writes the training then the test files' bytes to `path`, atomically:
-  a temporary file in the same directory, renamed once complete."""
+  """Writes the training then the test files' bytes to `path` as a uint8
+  `.npy`, atomically: a temporary file in the same directory, synced and
+  renamed once complete."""
   os.makedirs(os.path.dirname(path), exist_ok=True)
   total = sum(files.sizes.values())
   fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
-  os.close(fd)
   try:
-    out = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.uint8,
-                                    shape=(total,))
-    offset = 0
-    for p in files.train + files.test:
-      with open(os.path.join(files.root, p), "rb") as f:
-        data = np.frombuffer(f.read(), np.uint8)
-      if len(data) != files.sizes[p]:
-        raise OSError(f"{p} changed while the corpus was read")
-      out[offset:offset + len(data)] = data
-      offset += len(data)
-    out.flush()
-    del out
+    with os.fdopen(fd, "wb") as out:
+      np.lib.format.write_array_header_1_0(
+          out, {"descr": "|u1", "fortran_order": False, "shape": (total,)})
+      for p in files.train + files.test:
+        with open(os.path.join(files.root, p), "rb") as f:
+          if out.write(f.read()) != files.sizes[p]:
+            raise OSError(f"{p} changed while the corpus was read")
+      out.flush()
+      os.fsync(out.fileno())
     os.replace(tmp, path)
   except BaseException:
     os.unlink(tmp)
     raise
 
 
-def corpus_bytes(files: Files, test_fraction: float, cache_dir: str
+def corpus_bytes(files: Files, cache_dir: str
                  ) -> tuple[np.ndarray, np.ndarray]:
   """The training and test bytes of `files`, uint8 views on the memory-mapped
-  cache file (written first if missing, or if its size is not the files')."""
-  path = _cache_path(files, test_fraction, cache_dir)
+  cache file in `cache_dir` (written first if missing, or if it is not an
+  `.npy` of the files' size)."""
+  path = _cache_path(files, cache_dir)
   total = sum(files.sizes.values())
   data = None
   if os.path.exists(path):
     try:
       data = np.load(path, mmap_mode="r")
-    except ValueError:  # not an .npy file: a foreign or damaged one
+    except (ValueError, EOFError):  # not an .npy, or cut short
       data = None
   if data is None or data.shape != (total,) or data.dtype != np.uint8:
     _write(files, path)
@@ -188,7 +188,7 @@ def stdlib(seq_len: int = 128, *, stride: int | None = None,
     raise ValueError(f"max_test_windows={max_test_windows} is invalid; "
                      "valid: >= 1, or None for all")
   files = stdlib_files(test_fraction)
-  train_bytes, test_bytes = corpus_bytes(files, test_fraction, cache_dir)
+  train_bytes, test_bytes = corpus_bytes(files, cache_dir)
   train = shard(windows(train_bytes, seq_len, stride), process_index,
                 process_count)
   test = windows(test_bytes, seq_len, stride)
