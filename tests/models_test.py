@@ -251,7 +251,8 @@ def test_fused_ends_are_the_same_model_in_num_layers_blocks(num_layers):
                              rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("num_stages", [4, 32])
+@pytest.mark.parametrize("num_stages", [4, pytest.param(
+    32, marks=pytest.mark.slow)])
 def test_fused_ends_cut_into_one_decoder_layer_per_stage(num_stages):
   kwargs = {**CASES["transformer"][0], "num_layers": num_stages}
   x = CASES["transformer"][1]
