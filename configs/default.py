@@ -5,11 +5,15 @@ Run:
 
 Model and data variants (`:variant=NAME`): mlp_digits (default),
 mlp_synthetic, vgg_digits, resnet_digits, vgg_cifar10, resnet_cifar10,
-transformer_chars, e.g.
+transformer_chars, transformer_stdlib, e.g.
   python launch.py --config=configs/default.py:variant=transformer_chars
 Every method config takes the same variants. Override any field, e.g.
 `--config.num_microbatches=8`; CIFAR-10 reads the python-pickle batches from
-`--config.dataset_kwargs.data_dir=DIR`.
+`--config.dataset_kwargs.data_dir=DIR`. transformer_stdlib is one decoder
+layer per stage: keep `model_kwargs.num_layers` equal to `num_stages`, e.g.
+  python launch.py --config=configs/default.py:variant=transformer_stdlib \
+    --config.num_stages=8 --config.num_replicas=1 \
+    --config.model_kwargs.num_layers=8 --config.model_kwargs.dtype=bfloat16
 """
 
 import ml_collections
@@ -41,6 +45,15 @@ VARIANTS = {
         "dataset": "chars", "dataset_kwargs": {"seq_len": 64},
         "model": "transformer", "loss": "lm_cross_entropy",
         "model_kwargs": {"d_model": 64, "num_heads": 4, "num_layers": 2},
+        "optimizer_kwargs": {"learning_rate": 3e-3}, "microbatch_size": 4},
+    "transformer_stdlib": {
+        "dataset": "stdlib",
+        "dataset_kwargs": {"seq_len": 128, "max_test_windows": 256,
+                           "cache_dir": "~/.cache/stalepipe"},
+        "model": "transformer", "loss": "lm_cross_entropy",
+        "model_kwargs": {"d_model": 64, "num_heads": 4, "num_layers": 4,
+                         "fuse_ends": True, "positions": "learned",
+                         "dtype": "float32"},
         "optimizer_kwargs": {"learning_rate": 3e-3}, "microbatch_size": 4},
 }
 

@@ -87,6 +87,8 @@ def test_every_variant_builds_its_model_for_its_data(variant, tmp_path):
     kwargs["data_dir"] = write_cifar10(tmp_path, images_per_batch=2)
   if config.dataset == "chars":
     kwargs["text"] = "abcdefghij" * 400
+  if config.dataset == "stdlib":
+    kwargs["cache_dir"] = str(tmp_path)
   ds = input_pipeline.load(config.dataset, kwargs, 0, config.num_replicas,
                            config.input_shape)
   blocks = nnx.eval_shape(lambda: models.make(  # shapes only: fast

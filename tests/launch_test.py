@@ -12,6 +12,7 @@ import sys
 import tempfile
 import time
 
+import numpy as np
 import pytest
 
 from tests import launching
@@ -285,3 +286,21 @@ def test_sigterm_stops_with_a_checkpoint_and_the_rerun_resumes(tmp_path):
   assert rerun.returncode == 0, rerun.stderr[-2000:]
   summary = json.loads((tmp_path / "summary.json").read_text())
   assert summary["resumed_from_step"] == stopped_at
+
+
+@pytest.mark.slow
+def test_one_layer_per_stage_transformer_on_stdlib_runs_two_steps(tmp_path):
+  result = _launch(
+      "--config=configs/default.py:variant=transformer_stdlib",
+      f"--config.dataset_kwargs.cache_dir={tmp_path / 'cache'}",
+      "--config.num_steps=2", "--config.minibatches_per_window=1",
+      "--config.plots=False", workdir=tmp_path / "w")
+  assert result.returncode == 0, result.stderr[-2000:]
+  summary = json.loads((tmp_path / "w" / "summary.json").read_text())
+  assert summary["steps"] == 2 and summary["test_loss"] < np.log(256)
+  config = json.loads((tmp_path / "w" / "config.json").read_text())
+  assert config["model_kwargs"]["num_layers"] == config["num_stages"]
+  with np.load(tmp_path / "w" / "params.npz") as params:
+    assert {params[k].dtype for k in params.files} == {np.dtype("float32")}
+  (cache,) = (tmp_path / "cache").iterdir()
+  assert cache.name.startswith("stdlib-py")

@@ -140,13 +140,16 @@ def test_resnet_param_count(bottleneck):
   assert num_params == want
 
 
-def test_transformer_param_count():
+@pytest.mark.parametrize("positions", ["learned", "rotary"])
+def test_transformer_param_count(positions):
   v, d, h, n, f, max_len = 13, 8, 2, 3, 20, 9
   num_params = _num_params(lambda: models.transformer(
-      v, d_model=d, num_heads=h, num_layers=n, d_ff=f, max_len=max_len))
+      v, d_model=d, num_heads=h, num_layers=n, d_ff=f, max_len=max_len,
+      positions=positions))
   attention = 2 * d + (d * 3 * d + 3 * d) + (d * d + d)
   mlp = 2 * d + (d * f + f) + (f * d + d)
-  want = v * d + max_len * d + n * (attention + mlp) + 2 * d + d * v + v
+  table = max_len * d if positions == "learned" else 0
+  want = v * d + table + n * (attention + mlp) + 2 * d + d * v + v
   assert num_params == want
 
 
@@ -171,10 +174,26 @@ def _np_gelu(x):
   return 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x**3)))
 
 
-def test_decoder_block_matches_numpy():
+def _np_rotary(x, base=10_000.0):
+  """RoFormer's rotation of features (i, i + K/2) at position l by l θ_i,
+  one position and one frequency at a time."""
+  out = x.copy()
+  half = x.shape[-1] // 2
+  for pos in range(x.shape[1]):
+    for i in range(half):
+      angle = pos * base ** (-2 * i / x.shape[-1])
+      a, b = x[:, pos, :, i], x[:, pos, :, i + half]
+      out[:, pos, :, i] = a * np.cos(angle) - b * np.sin(angle)
+      out[:, pos, :, i + half] = b * np.cos(angle) + a * np.sin(angle)
+  return out
+
+
+@pytest.mark.parametrize("positions", ["learned", "rotary"])
+def test_decoder_block_matches_numpy(positions):
   kwargs = CASES["transformer"][0]
   d, h = kwargs["d_model"], kwargs["num_heads"]
-  block = _model("transformer")[0][1]
+  block = (_model("transformer")[0][1] if positions == "learned" else
+           models.transformer(**kwargs, positions="rotary")[1])
   p = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(block, nnx.Param)))
   # The shape of the embedded CASES tokens, so the block's ops are compiled.
   x = np.random.default_rng(5).normal(size=(2, 6, d)).astype(np.float32)
@@ -186,6 +205,8 @@ def test_decoder_block_matches_numpy():
          + p["qkv"]["bias"])
   heads = qkv.reshape(2, length, 3 * h, dh)
   q, k, v = heads[:, :, :h], heads[:, :, h:2 * h], heads[:, :, 2 * h:]
+  if positions == "rotary":
+    q, k = _np_rotary(q), _np_rotary(k)
   scores = np.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(dh)
   future = np.triu(np.ones((length, length), bool), 1)
   scores = np.where(future, -np.inf, scores)
@@ -212,6 +233,70 @@ def test_transformer_is_causal():
   assert np.abs(new_logits[:, t:] - logits[:, t:]).max() > 1e-3
 
 
+def _leaves(blocks):
+  return [leaf for b in blocks
+          for leaf in jax.tree.leaves(nnx.state(b, nnx.Param))]
+
+
+@pytest.mark.parametrize("num_layers", [1, 2, 3])
+def test_fused_ends_are_the_same_model_in_num_layers_blocks(num_layers):
+  kwargs = {**CASES["transformer"][0], "num_layers": num_layers}
+  x = CASES["transformer"][1]
+  blocks = models.transformer(**kwargs)
+  fused = models.transformer(**kwargs, fuse_ends=True)
+  assert len(fused) == num_layers == len(blocks) - 2
+  for got, want in zip(_leaves(fused), _leaves(blocks), strict=True):
+    np.testing.assert_array_equal(got, want)
+  np.testing.assert_allclose(_run_blocks(fused, x), _run_blocks(blocks, x),
+                             rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("num_stages", [4, pytest.param(
+    32, marks=pytest.mark.slow)])
+def test_fused_ends_cut_into_one_decoder_layer_per_stage(num_stages):
+  kwargs = {**CASES["transformer"][0], "num_layers": num_stages}
+  x = CASES["transformer"][1]
+  want = _run_blocks(models.transformer(**kwargs), x)
+  staged = models.split(models.transformer(**kwargs, fuse_ends=True),
+                        num_stages)
+  assert staged.boundaries == tuple(range(num_stages))
+  sizes = [sum(int(np.prod(a.shape)) for a in jax.tree.leaves(p))
+           for p in staged.stage_params]
+  decoder = sizes[1]  # the middle stages: one decoder layer each
+  assert sizes[1:-1] == [decoder] * (num_stages - 2)
+  assert sizes[0] > decoder and sizes[-1] > decoder
+  got = jax.jit(models.unpipelined(staged))(staged.stage_params, x)
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_bfloat16_computes_in_bfloat16_on_float32_weights():
+  kwargs = CASES["transformer"][0]
+  x, targets = CASES["transformer"][1], np.roll(CASES["transformer"][1], -1, 1)
+  blocks = models.transformer(**kwargs, dtype="bfloat16")
+  assert all(leaf.dtype == jnp.float32 for leaf in _leaves(blocks))
+  staged = models.split(blocks, 2)
+  hidden = jax.eval_shape(staged.stage_fns[0], staged.stage_params[0], x)
+  assert hidden.dtype == jnp.bfloat16  # what crosses the stage boundary
+
+  @jax.jit
+  def loss_and_grads(params):
+    def loss(params):
+      logits = models.unpipelined(staged)(params, x)
+      return losses.lm_cross_entropy(logits, targets), logits
+    return jax.value_and_grad(loss, has_aux=True)(params)
+
+  (loss, logits), grads = loss_and_grads(staged.stage_params)
+  assert logits.dtype == loss.dtype == jnp.float32
+  assert all(g.dtype == jnp.float32 for g in jax.tree.leaves(grads))
+  _, want = _model("transformer")  # the float32 model, same seed
+  # bfloat16 keeps 8 significant bits: 0.4% per rounding, compounded over
+  # four blocks whose random weights grow the residual stream 30-fold.
+  np.testing.assert_allclose(logits, want, atol=0.1 * np.abs(want).max())
+  np.testing.assert_allclose(loss, losses.lm_cross_entropy(want, targets),
+                             rtol=0.01)
+  assert np.abs(logits - want).max() > 0  # it did round
+
+
 def test_bad_model_arguments_raise():
   with pytest.raises(ValueError, match="num_heads"):
     models.transformer(VOCAB, d_model=8, num_heads=3)
@@ -219,6 +304,15 @@ def test_bad_model_arguments_raise():
     models.vgg(image_size=4, stages=((4,), (4,), (4,)))
   with pytest.raises(ValueError, match="depths"):
     models.resnet(widths=(4, 8), depths=(1,))
+  with pytest.raises(ValueError, match="positions='sinusoidal' is invalid"):
+    models.transformer(VOCAB, d_model=8, num_heads=2, positions="sinusoidal")
+  with pytest.raises(ValueError, match="an even head width"):
+    models.transformer(VOCAB, d_model=6, num_heads=2, positions="rotary")
+  with pytest.raises(ValueError, match="dtype='float16' is invalid"):
+    models.transformer(VOCAB, d_model=8, num_heads=2, dtype="float16")
+  with pytest.raises(ValueError, match="num_layers=0 is invalid"):
+    models.transformer(VOCAB, d_model=8, num_heads=2, num_layers=0,
+                       fuse_ends=True)
   blocks = models.transformer(VOCAB, d_model=8, num_heads=2, max_len=4)
   with pytest.raises(ValueError, match="sequence length 5"):
     blocks[0](jnp.zeros((1, 5), jnp.int32))

@@ -69,6 +69,8 @@ PLANES = {
         "transformer": CHARS}[n]),
     "dataset": (data.names(), lambda n: {
         "digits": {}, "chars": CHARS,
+        "stdlib": {**CHARS, "dataset": "stdlib", "dataset_kwargs": {
+            "seq_len": 8, "max_test_windows": 64, "cache_dir": "CACHE"}},
         "synthetic": {"dataset": "synthetic", "dataset_kwargs": {
             "num_train": 256, "num_test": 64, "in_features": 8,
             "num_classes": 4}},
@@ -135,6 +137,8 @@ def _config_for(plane, name, tmp_path):
   if config.dataset == "cifar10":
     config.dataset_kwargs.data_dir = configs_test.write_cifar10(
         tmp_path, images_per_batch=16)
+  if config.dataset == "stdlib":
+    config.dataset_kwargs.cache_dir = str(tmp_path)
   return config
 
 

@@ -1,15 +1,17 @@
-"""Data pipelines: data that ships in a package, or that is generated."""
+"""Data pipelines: data that ships in a package or with Python, or that is
+generated."""
 
 from stalepipe.data.chars import (Vocab, chars, chars_vocab, stdlib_text,
                                   zen_text)
 from stalepipe.data.cifar10 import cifar10
 from stalepipe.data.digits import Dataset, digits, shard
+from stalepipe.data.stdlib_corpus import stdlib, stdlib_files
 from stalepipe.data.synthetic import synthetic
 from stalepipe import registry
 
 PARTS = registry.Registry(
     "dataset", {"digits": digits, "synthetic": synthetic, "cifar10": cifar10,
-                "chars": chars},
+                "chars": chars, "stdlib": stdlib},
     filled=("process_index", "process_count"))
 
 

@@ -106,11 +106,26 @@ def chars_vocab(text: str | None = None) -> Vocab:
   return Vocab.of(stdlib_text() if text is None else text)
 
 
-def _windows(ids: np.ndarray, seq_len: int, stride: int) -> np.ndarray:
-  """The windows of `seq_len + 1` ids starting at multiples of `stride`."""
+def windows(ids: np.ndarray, seq_len: int, stride: int) -> np.ndarray:
+  """The windows of `seq_len + 1` ids starting at multiples of `stride`: a
+  view on `ids`, not a copy."""
   if len(ids) < seq_len + 1:
-    return np.zeros((0, seq_len + 1), np.int32)
+    return np.zeros((0, seq_len + 1), ids.dtype)
   return np.lib.stride_tricks.sliding_window_view(ids, seq_len + 1)[::stride]
+
+
+def window_stride(seq_len: int, stride: int | None,
+                  test_fraction: float) -> int:
+  """The stride between windows (`seq_len` when None), once the windowing
+  arguments are checked."""
+  stride = seq_len if stride is None else stride
+  if seq_len < 1 or stride < 1:
+    raise ValueError(f"seq_len={seq_len}, stride={stride} are invalid; "
+                     "valid: both >= 1")
+  if not 0.0 < test_fraction < 1.0:
+    raise ValueError(f"test_fraction={test_fraction} is invalid; valid: "
+                     "strictly between 0 and 1")
+  return stride
 
 
 def chars(seq_len: int = 64, *, text: str | None = None,
@@ -144,20 +159,14 @@ def chars(seq_len: int = 64, *, text: str | None = None,
     >>> vocab.decode(ds.x_train[0]), vocab.decode(ds.y_train[0])
     ('abcd', 'bcde')
   """
-  stride = seq_len if stride is None else stride
-  if seq_len < 1 or stride < 1:
-    raise ValueError(f"seq_len={seq_len}, stride={stride} are invalid; "
-                     "valid: both >= 1")
-  if not 0.0 < test_fraction < 1.0:
-    raise ValueError(f"test_fraction={test_fraction} is invalid; valid: "
-                     "strictly between 0 and 1")
+  stride = window_stride(seq_len, stride, test_fraction)
   text = stdlib_text() if text is None else text
   vocab = Vocab.of(text)
   ids = vocab.encode(text)
   num_train = len(ids) - int(round(test_fraction * len(ids)))
-  train = shard(_windows(ids[:num_train], seq_len, stride), process_index,
+  train = shard(windows(ids[:num_train], seq_len, stride), process_index,
                 process_count)
-  test = _windows(ids[num_train:], seq_len, stride)
+  test = windows(ids[num_train:], seq_len, stride)
   if not len(train) or not len(test):
     raise ValueError(f"seq_len={seq_len} is invalid for a text of {len(ids)} "
                      "characters; valid: short enough for a window in both "

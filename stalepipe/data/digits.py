@@ -6,12 +6,13 @@ import numpy as np
 
 
 class Dataset(NamedTuple):
-  """A supervised data set held in host memory."""
+  """A supervised data set: NumPy arrays in host memory, or views on a
+  memory-mapped file (`stdlib`)."""
 
-  x_train: np.ndarray  # [N_train, ...] float32
+  x_train: np.ndarray  # [N_train, ...] float32, or integer token ids
   y_train: np.ndarray  # [N_train] int32, or [N_train, ...] for sequences
-  x_test: np.ndarray  # [N_test, ...] float32
-  y_test: np.ndarray  # [N_test] int32
+  x_test: np.ndarray  # [N_test, ...] as x_train
+  y_test: np.ndarray  # [N_test, ...] as y_train
   num_classes: int
 
 
