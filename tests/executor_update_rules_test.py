@@ -219,6 +219,41 @@ def test_pipeline_hands_the_contract_arguments(name, stale):
     assert any(b > 0 for _, b in seen["predict"])  # nF1B backward reads newer
 
 
+def test_pipeline_hands_pipeline_ahead_to_a_pipeline_wide_rule():
+  """A rule whose `staleness` is "pipeline" gets `Schedule.pipeline_ahead`
+  for every task (recorded from the oracle); others never get it (above)."""
+  seen = []
+
+  class Recorder:
+    staleness = "pipeline"
+
+    def init(self, params):
+      return optax.sgd(0.1).init(params)
+
+    def update(self, grads, state, params, **kwargs):
+      del kwargs
+      return optax.sgd(0.1).update(grads, state, params)
+
+    def predict(self, state, weights, *, ahead, since_forward,
+                pipeline_ahead):
+      del state, ahead, since_forward
+      seen.append(int(pipeline_ahead))
+      return weights
+
+  schedule = sp.schedules.make("pipedream", num_stages=4, num_microbatches=1,
+                               num_minibatches=4, **_NO_STASH)
+  staged = sp.models.split(sp.models.mlp(8, 6, 3, 4), 4)
+  ref = reference.Pipeline(staged.stage_fns, cross_entropy, schedule,
+                           Recorder())
+  seen.clear()
+  x, y = next(_windows(1, 4, 1, 2))
+  ref.step(ref.init(staged.stage_params), x, y)
+  stream = schedule.with_minibatches(8)
+  end = min(t.tick for t in stream.tasks if t.minibatch == 4 and t.stage == 0)
+  want = [stream.pipeline_ahead(t) for t in stream.tasks if t.tick < end]
+  assert sorted(seen) == sorted(want) and max(want) == 3
+
+
 @pytest.mark.parametrize("option", [
     1, pytest.param(2, marks=pytest.mark.slow),
     pytest.param(3, marks=pytest.mark.slow)])
