@@ -65,9 +65,9 @@ class SpecTrain:
     :math:`\lfloor k/2 \rfloor` for a backward, whatever the minibatch
     (`pipeline_ahead`, `stalepipe.schedules.Schedule.pipeline_ahead`). From
     the official code, ntueclab/SpecTrain-PyTorch `src/optimizer.py:304-306`
-    (`load_predicted_weights`; the paper's text was not at hand). Defined on
-    asynchronous 1F1B without weight stashing and one micro-batch per
-    minibatch (`pipedream`, `weight_stashing=False`, M = 1); a pipeline
+    (`load_predicted_weights`; the paper's text could not be found here).
+    Defined on asynchronous 1F1B without weight stashing and one micro-batch
+    per minibatch (`pipedream`, `weight_stashing=False`, M = 1); a pipeline
     refuses other schedules.
   - `"minibatch"`: each task predicts its own minibatch's update on its own
     stage: the updates the stage applies between the task's read and it
@@ -77,9 +77,9 @@ class SpecTrain:
     :math:`\lfloor k/2 \rfloor` on stages :math:`k \ge 2`.
 
   `predict` with :math:`s = 0` returns the params bit for bit. State: the
-  inner state plus one params-sized buffer. The official code's :math:`v`
-  is the momentum buffer read around the step, not the last update: its
-  forward uses :math:`\mu\, b_t + g_t` and its backward, after `zero_grad`,
+  inner state plus one params-sized buffer. The official code reads the
+  momentum buffer after the step (`src/optimizer.py:315-323`): its forward
+  extrapolates :math:`\mu\, b_t + g_t` and its backward, after `zero_grad`,
   :math:`\mu\, b_t`; this wrapper uses, for both, the :math:`v_{t-1}` of
   its README's formula :math:`\hat W_{t+s} = W_t - s\, \eta\, v_{t-1}`
   (`doc/formula.svg`), the smoothed gradient of the last update.
