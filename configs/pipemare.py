@@ -20,10 +20,15 @@ References:
 
 import ml_collections
 
+from configs import default
 from configs import spectrain
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config = spectrain.get_config(arg)
+  # PipeMare's delays hold for any M: the default's micro-batches.
+  base = default.get_config(arg)
+  config.num_microbatches = base.num_microbatches
+  config.microbatch_size = base.microbatch_size
   config.optimizer_wrapper = ("PipeMare", {"warmup_steps": 100, "decay": 0.5})
   return config

@@ -34,7 +34,7 @@ SLOW_VARIANTS = {
     "tests/gpipe_executor_test.py::test_gpipe_equals_unpipelined_sgd[1-boundaries3]",
     # -> wp1 with a sync policy; pipemare and spectrain alone stay quick.
     "tests/executor_update_rules_test.py::test_update_rule_with_a_sync_policy_executor_equals_oracle[pipemare-hetpipe-options0-<lambda>-2]",
-    "tests/executor_update_rules_test.py::test_update_rule_with_a_sync_policy_executor_equals_oracle[spectrain-pipedream-options1-<lambda>-4]",
+    "tests/executor_update_rules_test.py::test_update_rule_with_a_sync_policy_executor_equals_oracle[spectrain-pipedream-options1-<lambda>-4-1]",
     # -> faults_test's bounded retention and run_path_test's step names.
     "tests/checkpoint_test.py::test_keeps_the_last_n_checkpoints",
 }

@@ -223,7 +223,8 @@ def test_residuals_are_refused_where_the_backward_reads_other_weights():
   with pytest.raises(ValueError, match="optimizer predicts"):
     executor.Pipeline(staged.stage_fns, classification_loss,
                       _make("gpipe", 3, 2, 2),
-                      sp.optim.SpecTrain(optax.sgd(0.1)), mesh,
+                      sp.optim.SpecTrain(optax.sgd(0.1),
+                                         staleness="minibatch"), mesh,
                       remat="residuals")
 
 

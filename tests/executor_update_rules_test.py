@@ -71,29 +71,36 @@ _RULES = {
     "wp3": lambda D: sp.optim.WeightPrediction(optax.sgd(0.3, 0.9), option=3,
                                                num_workers=D, lam=0.2),
     "spectrain": lambda D: sp.optim.SpecTrain(optax.sgd(0.3, 0.9)),
+    "spectrain_minibatch": lambda D: sp.optim.SpecTrain(
+        optax.sgd(0.3, 0.9), staleness="minibatch"),
     "pipemare": lambda D: sp.optim.PipeMare(optax.sgd(0.3), warmup_steps=4,
                                             decay=0.5),
 }
 _NO_STASH = {"weight_stashing": False}
-# (rule, schedule, options, S, D): WP where SAPipe runs it (flush schedules,
-# data parallel); SpecTrain and PipeMare on asynchronous pipelines without
-# weight stashing (their setting), where a backward reads newer weights than
-# its forward (since_forward > 0), and PipeMare on nF1B.
-_CASES = [pytest.param("wp1", "gpipe", {}, 1, 4, marks=pytest.mark.slow),
-          ("wp2", "1f1b", {}, 2, 2),
-          pytest.param("wp3", "gpipe", {}, 2, 2, marks=pytest.mark.slow),
-          pytest.param("wp3", "gpipe", {}, 1, 4, marks=pytest.mark.slow),
-          ("spectrain", "pipedream", _NO_STASH, 3, 1),
-          pytest.param("spectrain", "pipedream", {}, 3, 2,
+# (rule, schedule, options, S, D, M): WP where SAPipe runs it (flush
+# schedules, data parallel); SpecTrain and PipeMare on asynchronous pipelines
+# without weight stashing (their setting), where a backward reads newer
+# weights than its forward (since_forward > 0), SpecTrain's paper staleness
+# with one micro-batch per minibatch (stages k >= 2 predict k // 2 further),
+# its per-minibatch one with two and with stashing, and PipeMare on nF1B.
+_CASES = [pytest.param("wp1", "gpipe", {}, 1, 4, 2, marks=pytest.mark.slow),
+          ("wp2", "1f1b", {}, 2, 2, 2),
+          pytest.param("wp3", "gpipe", {}, 2, 2, 2, marks=pytest.mark.slow),
+          pytest.param("wp3", "gpipe", {}, 1, 4, 2, marks=pytest.mark.slow),
+          ("spectrain", "pipedream", _NO_STASH, 3, 1, 1),
+          pytest.param("spectrain", "pipedream", _NO_STASH, 4, 2, 1,
                        marks=pytest.mark.slow),
-          pytest.param("pipemare", "timeprest", {}, 3, 1,
+          ("spectrain_minibatch", "pipedream", _NO_STASH, 3, 1, 2),
+          pytest.param("spectrain_minibatch", "pipedream", {}, 3, 2, 2,
                        marks=pytest.mark.slow),
-          ("pipemare", "pipedream", _NO_STASH, 3, 2)]
+          pytest.param("pipemare", "timeprest", {}, 3, 1, 2,
+                       marks=pytest.mark.slow),
+          ("pipemare", "pipedream", _NO_STASH, 3, 2, 2)]
 
 
-@pytest.mark.parametrize("rule,name,options,S,D", _CASES)
-def test_update_rule_executor_equals_oracle(rule, name, options, S, D):
-  schedule = sp.schedules.make(name, num_stages=S, num_microbatches=2,
+@pytest.mark.parametrize("rule,name,options,S,D,M", _CASES)
+def test_update_rule_executor_equals_oracle(rule, name, options, S, D, M):
+  schedule = sp.schedules.make(name, num_stages=S, num_microbatches=M,
                                num_minibatches=2, **options)
   staged, got = _run_both(schedule, _RULES[rule](D), D)
   # The rule really acts: without it (its inner optimizer) the run differs.
@@ -101,17 +108,52 @@ def test_update_rule_executor_equals_oracle(rule, name, options, S, D):
   assert _differs(got, _plain(schedule, inner, staged, D))
 
 
-@pytest.mark.parametrize("rule,name,options,policy,D", [
+@pytest.mark.parametrize("S,same", [(2, True), (3, False)])
+def test_spectrain_staleness_variants_differ_from_stage_2(S, same):
+  """With 2 stages the paper's staleness and the per-minibatch one coincide
+  (floor(k/2) = 0, and the pipeline fills on version 0); with 3 they don't."""
+  schedule = sp.schedules.make("pipedream", num_stages=S, num_microbatches=1,
+                               num_minibatches=2, **_NO_STASH)
+  staged = sp.models.split(sp.models.mlp(8, 6, S - 1, 4, seed=2), S)
+  paper = _plain(schedule, _RULES["spectrain"](1), staged, 1)
+  minibatch = _plain(schedule, _RULES["spectrain_minibatch"](1), staged, 1)
+  assert _differs(paper, minibatch) != same
+  if same:
+    _close(paper, minibatch)
+
+
+@pytest.mark.parametrize("name,options,M", [
+    ("pipedream", _NO_STASH, 2), ("pipedream", {}, 1),
+    ("pipedream", {"vertical_sync": True, "weight_stashing": False}, 1),
+    ("1f1b", {}, 1), ("gpipe", {}, 1)])
+def test_spectrain_paper_staleness_is_refused_where_undefined(name, options,
+                                                              M):
+  schedule = sp.schedules.make(name, num_stages=3, num_microbatches=M,
+                               num_minibatches=2, **options)
+  staged = sp.models.split(sp.models.mlp(8, 6, 2, 4), 3)
+  mesh = jax.make_mesh((1, 3), ("data", "stage"))
+  for build in (
+      lambda opt: executor.Pipeline(staged.stage_fns, cross_entropy, schedule,
+                                    opt, mesh),
+      lambda opt: reference.Pipeline(staged.stage_fns, cross_entropy,
+                                     schedule, opt)):
+    with pytest.raises(ValueError, match="no SpecTrain pipeline-wide") as err:
+      build(_RULES["spectrain"](1))
+    assert "\n" not in str(err.value) and "valid:" in str(err.value)
+    build(_RULES["spectrain_minibatch"](1))  # the variant runs anywhere
+
+
+@pytest.mark.parametrize("rule,name,options,policy,D,M", [
     ("pipemare", "hetpipe", {"concurrent_minibatches": 2},
-     lambda D: sp.sync.wsp(D, 1, 2), 2),
+     lambda D: sp.sync.wsp(D, 1, 2), 2, 2),
     ("spectrain", "pipedream", _NO_STASH,
-     lambda D: sp.sync.ad_psgd(D, seed=1), 4),
-    ("wp1", "1f1b", {}, lambda D: sp.sync.local_sgd(D, period=4), 2),
+     lambda D: sp.sync.ad_psgd(D, seed=1), 4, 1),
+    ("wp1", "1f1b", {}, lambda D: sp.sync.local_sgd(D, period=4), 2, 2),
 ])
 def test_update_rule_with_a_sync_policy_executor_equals_oracle(
-    rule, name, options, policy, D):
+    rule, name, options, policy, D, M):
   S = 2
-  schedule = sp.schedules.make(name, num_stages=S, num_microbatches=2,
+  schedule = sp.schedules.make(name, num_stages=S, num_microbatches=M,
                                num_minibatches=2, **options)
   # Without a gradient all-reduce WP's synchronised gradient is its own.
   optimizer = _RULES[rule](1)
@@ -122,7 +164,7 @@ def test_update_rule_with_a_sync_policy_executor_equals_oracle(
   ref = reference.Pipeline(staged.stage_fns, cross_entropy, schedule,
                            optimizer, num_replicas=D, sync=policy(D))
   es, rs = ex.init(staged.stage_params), ref.init(staged.stage_params)
-  for x, y in _windows(3, 2, 2, 2 * D):
+  for x, y in _windows(3, 2, M, 2 * D):
     es, _ = ex.step(es, x, y)
     rs, _ = ref.step(rs, x, y)
   for d in range(D):
@@ -175,6 +217,41 @@ def test_pipeline_hands_the_contract_arguments(name, stale):
   assert all(a >= 0 and b >= 0 for a, b in seen["predict"])
   if name == "timeprest":
     assert any(b > 0 for _, b in seen["predict"])  # nF1B backward reads newer
+
+
+def test_pipeline_hands_pipeline_ahead_to_a_pipeline_wide_rule():
+  """A rule whose `staleness` is "pipeline" gets `Schedule.pipeline_ahead`
+  for every task (recorded from the oracle); others never get it (above)."""
+  seen = []
+
+  class Recorder:
+    staleness = "pipeline"
+
+    def init(self, params):
+      return optax.sgd(0.1).init(params)
+
+    def update(self, grads, state, params, **kwargs):
+      del kwargs
+      return optax.sgd(0.1).update(grads, state, params)
+
+    def predict(self, state, weights, *, ahead, since_forward,
+                pipeline_ahead):
+      del state, ahead, since_forward
+      seen.append(int(pipeline_ahead))
+      return weights
+
+  schedule = sp.schedules.make("pipedream", num_stages=4, num_microbatches=1,
+                               num_minibatches=4, **_NO_STASH)
+  staged = sp.models.split(sp.models.mlp(8, 6, 3, 4), 4)
+  ref = reference.Pipeline(staged.stage_fns, cross_entropy, schedule,
+                           Recorder())
+  seen.clear()
+  x, y = next(_windows(1, 4, 1, 2))
+  ref.step(ref.init(staged.stage_params), x, y)
+  stream = schedule.with_minibatches(8)
+  end = min(t.tick for t in stream.tasks if t.minibatch == 4 and t.stage == 0)
+  want = [stream.pipeline_ahead(t) for t in stream.tasks if t.tick < end]
+  assert sorted(seen) == sorted(want) and max(want) == 3
 
 
 @pytest.mark.parametrize("option", [

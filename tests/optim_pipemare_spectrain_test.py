@@ -139,10 +139,13 @@ def _assert_runs_close(got, want):
           a, b, rtol=2e-5, atol=2e-6), g, w)
 
 
+@pytest.mark.parametrize("staleness,arg", [("pipeline", "pipeline_ahead"),
+                                           ("minibatch", "ahead")])
 @pytest.mark.parametrize("inner", ["sgd", "adam"])
-def test_spectrain_matches_numpy(inner):
+def test_spectrain_matches_numpy(inner, staleness, arg):
   make_opt, make_np = INNER[inner]
-  got = _jax_run(sp.optim.SpecTrain(make_opt()), "ahead", AHEAD)
+  got = _jax_run(sp.optim.SpecTrain(make_opt(), staleness=staleness), arg,
+                 AHEAD)
   _assert_runs_close(got, _np_spectrain(make_np))
 
 
@@ -199,9 +202,53 @@ def test_spectrain_with_momentum_sgd_is_spectrain_prediction():
   for s in (0, 1, 3):
     want = sp.optim.spectrain_prediction(x, g, buf_before, learning_rate=LR,
                                          staleness=s, momentum=MU)
-    got = jax.jit(st.predict)(state, x, ahead=s)
+    got = jax.jit(st.predict)(state, x, pipeline_ahead=s)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6),
                  got, want)
+
+
+def _official_s(rank, world_size, forward):
+  """ntueclab/SpecTrain-PyTorch src/optimizer.py:302-306, a stage's s."""
+  forward_s = rank // 2 + world_size - rank - 1
+  backward_s = rank // 2
+  return forward_s if forward else backward_s
+
+
+def _official_predict(w, grad, buf, lr, momentum, version_diff):
+  """The same file, lines 315-323: w - lr * s * (momentum * buf + grad)."""
+  d_p = buf * momentum + grad
+  return w - lr * version_diff * d_p
+
+
+@pytest.mark.parametrize("N", [1, 2, 3, 4, 5, 6])
+def test_spectrain_pipeline_staleness_is_the_official_codes(N):
+  schedule = sp.schedules.make("pipedream", num_stages=N, num_microbatches=1,
+                               num_minibatches=3 * N, weight_stashing=False)
+  for t in schedule.tasks:
+    forward = schedule.kind(t).runs_forward
+    assert schedule.pipeline_ahead(t) == _official_s(t.stage, N, forward)
+    if t.minibatch >= N - 1:  # pipeline full: the variants differ by k // 2
+      assert schedule.pipeline_ahead(t) - schedule.ahead(t) == t.stage // 2
+  # Predicted weights: SpecTrain(sgd(lr, mu)) after some steps against the
+  # code's arithmetic, fed the buffer before the last step (the code reads
+  # it after: its forward's v is mu b_t + g_t and, after zero_grad, its
+  # backward's mu b_t; stalepipe uses its README's v_{t-1} = b_t for both).
+  st = sp.optim.SpecTrain(optax.sgd(LR, momentum=MU))
+  rng = np.random.default_rng(N)
+  w = rng.normal(size=4).astype(np.float32)
+  state, buf = st.init(jnp.asarray(w)), np.zeros(4, np.float32)
+  for _ in range(3):
+    g = rng.normal(size=4).astype(np.float32)
+    buf_before, buf = buf, MU * buf + g
+    updates, state = st.update(jnp.asarray(g), state, jnp.asarray(w))
+    w = np.asarray(optax.apply_updates(jnp.asarray(w), updates))
+  for t in schedule.tasks:
+    s = _official_s(t.stage, N, schedule.kind(t).runs_forward)
+    want = _official_predict(w, g, buf_before, LR, MU, s)
+    got = st.predict(state, jnp.asarray(w),
+                     pipeline_ahead=schedule.pipeline_ahead(t))
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(want, w - LR * s * buf, rtol=1e-6, atol=1e-6)
 
 
 def _bits(a):
@@ -225,7 +272,8 @@ def _after_some_updates(wrapper, **update_args):
 
 
 WRAPPERS = {
-    "spectrain": (lambda: sp.optim.SpecTrain(optax.adam(0.1)), "ahead", {}),
+    "spectrain": (lambda: sp.optim.SpecTrain(optax.adam(0.1)),
+                  "pipeline_ahead", {}),
     "pipemare": (lambda: sp.optim.PipeMare(optax.sgd(0.1, 0.9),
                                            warmup_steps=4, decay=0.5),
                  "since_forward", {"staleness": 3}),
@@ -260,7 +308,7 @@ def test_extra_keyword_arguments_are_ignored(name):
       g, state, x, stale_params=x, local_updates=g, something_else=7,
       **({"staleness": jnp.int32(2)} | update_args))
   np.testing.assert_array_equal(noisy["w"], plain["w"])
-  other = "since_forward" if arg == "ahead" else "ahead"
+  other = "since_forward" if arg == "pipeline_ahead" else "ahead"
   np.testing.assert_array_equal(
       wrapper.predict(state, x, **{arg: 1, other: 5, "stage": 2})["w"],
       wrapper.predict(state, x, **{arg: 1})["w"])
@@ -287,7 +335,8 @@ def test_spectrain_gradient_transformation_chains():
   state = opt.init(x)
   updates, state = jax.jit(opt.update)(jnp.full(2, 2.0), state, x)
   np.testing.assert_allclose(updates, [-0.2, -0.2])
-  np.testing.assert_allclose(st.predict(state[1], x, ahead=3), [0.4, 0.4])
+  np.testing.assert_allclose(st.predict(state[1], x, pipeline_ahead=3),
+                             [0.4, 0.4])
 
 
 def _plain_and_wrapped(pm, opt, taus):
@@ -376,9 +425,13 @@ def _call(wrapper, method, **kwargs):
                                decay=float("nan")), "decay=nan"),
     (lambda: sp.optim.PipeMare(optax.sgd(0.1), warmup_steps=2, decay=0.5,
                                count_from=2), "count_from=2"),
-    (lambda: _call(_spectrain(), "predict", ahead=1.5), "ahead=1.5"),
-    (lambda: _call(_spectrain(), "predict", ahead=jnp.array([1, 2])),
-     "ahead=Array"),
+    (lambda: sp.optim.SpecTrain(optax.sgd(0.1), staleness="stage"),
+     "staleness='stage'"),
+    (lambda: _call(_spectrain(), "predict", pipeline_ahead=1.5),
+     "pipeline_ahead=1.5"),
+    (lambda: _call(_spectrain(), "predict", ahead=1), "pipeline_ahead=None"),
+    (lambda: _call(sp.optim.SpecTrain(optax.sgd(0.1), staleness="minibatch"),
+                   "predict", ahead=jnp.array([1, 2])), "ahead=Array"),
     (lambda: _call(_pipemare(), "predict", since_forward=jnp.float32(1)),
      "since_forward="),
     (lambda: _call(_pipemare(), "update"), "staleness=None"),

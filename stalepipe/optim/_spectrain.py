@@ -53,13 +53,36 @@ class SpecTrain:
   :math:`b_t = \mu\, b_{t-1} + g_t` the momentum buffer (optax's trace) after
   the last step, so :math:`\hat x = x - \eta\, s\, (\mu\, b_{t-1} + g_t)`:
   SpecTrain's prediction, the smoothed gradient times the version difference
-  (`spectrain_prediction` is the same formula as a pure function). Before the first update :math:`u = 0` and :math:`\hat x = x`.
+  (`spectrain_prediction` is the same formula as a pure function). Before the
+  first update :math:`u = 0` and :math:`\hat x = x`.
 
-  In a pipeline, :math:`s` (`ahead`) is the number of updates the stage will
-  apply between this task's read and the update of the task's own minibatch
-  (SpecTrain's version difference of that stage and pass). `predict` with
-  `ahead=0` returns the params bit for bit. State: the inner state plus one
-  params-sized buffer.
+  In a pipeline, the staleness :math:`s` of a task on stage :math:`k` of
+  :math:`N` is, with `staleness=`
+
+  - `"pipeline"` (default, the paper's): one version for the whole
+    minibatch, the weights every stage holds as its backward reaches stage
+    0: :math:`s = \lfloor k/2 \rfloor + N - k - 1` for a forward and
+    :math:`\lfloor k/2 \rfloor` for a backward, whatever the minibatch
+    (`pipeline_ahead`, `stalepipe.schedules.Schedule.pipeline_ahead`). From
+    the official code, ntueclab/SpecTrain-PyTorch `src/optimizer.py:304-306`
+    (`load_predicted_weights`; the paper's text could not be found here).
+    Defined on asynchronous 1F1B without weight stashing and one micro-batch
+    per minibatch (`pipedream`, `weight_stashing=False`, M = 1); a pipeline
+    refuses other schedules.
+  - `"minibatch"`: each task predicts its own minibatch's update on its own
+    stage: the updates the stage applies between the task's read and it
+    (`ahead`, `Schedule.ahead`): :math:`N - 1 - k` for a forward and 0 for a
+    backward once the pipeline is full, fewer while it fills; any schedule,
+    any number of micro-batches. It differs from the paper's by
+    :math:`\lfloor k/2 \rfloor` on stages :math:`k \ge 2`.
+
+  `predict` with :math:`s = 0` returns the params bit for bit. State: the
+  inner state plus one params-sized buffer. The official code reads the
+  momentum buffer after the step (`src/optimizer.py:315-323`): its forward
+  extrapolates :math:`\mu\, b_t + g_t` and its backward, after `zero_grad`,
+  :math:`\mu\, b_t`; this wrapper uses, for both, the :math:`v_{t-1}` of
+  its README's formula :math:`\hat W_{t+s} = W_t - s\, \eta\, v_{t-1}`
+  (`doc/formula.svg`), the smoothed gradient of the last update.
 
   Examples:
     >>> import jax.numpy as jnp, optax
@@ -68,19 +91,33 @@ class SpecTrain:
     >>> state = st.init(x)
     >>> updates, state = st.update(jnp.array([1.0, 1.0]), state, x)
     >>> x = optax.apply_updates(x, updates)  # [0.9, -2.1]
-    >>> [round(float(v), 4) for v in st.predict(state, x, ahead=2)]
+    >>> [round(float(v), 4) for v in st.predict(state, x, pipeline_ahead=2)]
     [0.7, -2.3]
 
   References:
     Chen et al, `Efficient and Robust Parallel DNN Training through Model
     Parallelism on Multi-GPU Platform <https://arxiv.org/abs/1809.02839>`_
-    (SpecTrain), 2018.
+    (SpecTrain), 2018; official code
+    `ntueclab/SpecTrain-PyTorch <https://github.com/ntueclab/SpecTrain-PyTorch>`_.
   """
 
-  def __init__(self, optimizer: optax.GradientTransformation):
-    """Wraps `optimizer` (e.g. `optax.sgd(lr, momentum=mu)`)."""
+  STALENESS = ("pipeline", "minibatch")  # the values `staleness` takes
+
+  def __init__(self, optimizer: optax.GradientTransformation, *,
+               staleness: str = "pipeline"):
+    """Wraps `optimizer` (e.g. `optax.sgd(lr, momentum=mu)`).
+
+    Args:
+      optimizer: the inner optax optimizer.
+      staleness: "pipeline" (the paper's pipeline-wide version) or
+        "minibatch" (each task to its own minibatch's update).
+    """
     check_optimizer(optimizer)
+    if staleness not in self.STALENESS:
+      raise ValueError(f"staleness={staleness!r} is invalid; valid: "
+                       "'pipeline' (the paper's), 'minibatch'")
     self._opt = optax.with_extra_args_support(optimizer)
+    self.staleness = staleness
 
   def init(self, params: optax.Params) -> SpecTrainState:
     """The inner optimizer's state and a zero last update."""
@@ -88,22 +125,27 @@ class SpecTrain:
                           last=optax.tree.zeros_like(params))
 
   def predict(self, state: SpecTrainState, params: optax.Params, *,
-              ahead: chex.Numeric, **extra_args: Any) -> optax.Params:
-    """:math:`x + s\\,u`, :math:`s` = `ahead`; `state` is not changed.
+              pipeline_ahead: Optional[chex.Numeric] = None,
+              ahead: Optional[chex.Numeric] = None,
+              **extra_args: Any) -> optax.Params:
+    """:math:`x + s\\,u`; `state` is not changed.
 
     Args:
       state: the state.
       params: the current weights :math:`x`.
-      ahead: :math:`s`, an integer scalar (may be traced).
+      pipeline_ahead: :math:`s` with `staleness="pipeline"`, an integer
+        scalar (may be traced).
+      ahead: :math:`s` with `staleness="minibatch"`, likewise.
       **extra_args: ignored (e.g. `since_forward`).
 
     Returns:
       The predicted weights, in the params' dtypes.
     """
     del extra_args
-    check_count("ahead", ahead)
-    return jax.tree.map(lambda x, u: add_scaled(x, ahead, u), params,
-                        state.last)
+    name = "pipeline_ahead" if self.staleness == "pipeline" else "ahead"
+    s = pipeline_ahead if self.staleness == "pipeline" else ahead
+    check_count(name, s)
+    return jax.tree.map(lambda x, u: add_scaled(x, s, u), params, state.last)
 
   def update(
       self,

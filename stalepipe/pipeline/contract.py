@@ -21,8 +21,12 @@ passing the extra arguments when the optimizer takes them (an
 When the optimizer has `predict(state, weights, *, ahead, since_forward)`,
 every forward and backward reads its result instead of the stashed weights,
 with `ahead = Schedule.ahead(task)` (updates until the minibatch's own
-update: SpecTrain's s) and `since_forward = Schedule.since_forward(task)`
-(updates since the minibatch's forward read: PipeMare's tau_fwd - tau_bkwd).
+update: SpecTrain's s with staleness="minibatch") and `since_forward =
+Schedule.since_forward(task)` (updates since the minibatch's forward read:
+PipeMare's tau_fwd - tau_bkwd).
+An optimizer whose `staleness` is "pipeline" (SpecTrain as its paper) also
+gets `pipeline_ahead = Schedule.pipeline_ahead(task)`, SpecTrain's
+pipeline-wide s, and is refused on a schedule that does not define it.
 The state passed is the stage's current optimizer state.
 """
 
@@ -32,6 +36,12 @@ import optax
 def predicts(optimizer) -> bool:
   """Whether tasks read `optimizer.predict(...)` instead of the stash."""
   return callable(getattr(optimizer, "predict", None))
+
+
+def pipeline_wide(optimizer) -> bool:
+  """Whether `predict` gets `pipeline_ahead` (SpecTrain's paper staleness)."""
+  return predicts(optimizer) and getattr(optimizer, "staleness",
+                                         None) == "pipeline"
 
 
 def takes_extra_args(optimizer) -> bool:
@@ -84,3 +94,5 @@ def check(stage_fns, schedule, optimizer, sync, num_replicas: int) -> None:
       getattr(optimizer, "init", None)):
     raise ValueError(f"optimizer {optimizer!r} is invalid; valid: an optax "
                      "transformation (init and update)")
+  if pipeline_wide(optimizer) and schedule.pipeline_ahead_error:
+    raise ValueError(schedule.pipeline_ahead_error)

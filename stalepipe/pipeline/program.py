@@ -42,6 +42,7 @@ class Instructions(NamedTuple):
   lag: np.ndarray  # the version read is `latest - lag`
   ahead: np.ndarray  # `Schedule.ahead`: updates until its minibatch's update
   since_forward: np.ndarray  # `Schedule.since_forward`
+  pipeline_ahead: np.ndarray  # `Schedule.pipeline_ahead`; 0 where undefined
   recv_forward: np.ndarray  # slot for the activation arriving this tick; -1
   recv_backward: np.ndarray  # slot for the cotangents arriving this tick; -1
   update: np.ndarray  # 1: apply the minibatch's update at the end of the tick
@@ -192,7 +193,9 @@ def _window_table(stream: Schedule, starts: list[int], k: int, *,
            "minibatch": t.minibatch - (k - history) * B,
            "microbatch": t.microbatch, "slot": slot,
            "lag": stream.applied(s, t.tick) - stream.task_version(t),
-           "ahead": stream.ahead(t), "since_forward": stream.since_forward(t)}
+           "ahead": stream.ahead(t), "since_forward": stream.since_forward(t),
+           "pipeline_ahead": (0 if stream.pipeline_ahead_error
+                              else stream.pipeline_ahead(t))}
     for name, value in row.items():
       table[name][tick, s] = value
     # Sends happen in the tick a task starts; the receiver files them then.

@@ -239,9 +239,12 @@ class Pipeline:
     weights = w.versions[(d, t.stage)][w.stream.task_version(t)]
     if not contract.predicts(self.optimizer):
       return weights
+    counts = {"ahead": w.stream.ahead(t),
+              "since_forward": w.stream.since_forward(t)}
+    if contract.pipeline_wide(self.optimizer):
+      counts["pipeline_ahead"] = w.stream.pipeline_ahead(t)
     return self.optimizer.predict(w.opt_states[(d, t.stage)], weights,
-                                  ahead=w.stream.ahead(t),
-                                  since_forward=w.stream.since_forward(t))
+                                  **counts)
 
   def _observe(self, w: "_Scratch", t, d: int) -> None:
     """HetPipe's observed staleness of t's minibatch, from what its forward

@@ -160,9 +160,11 @@ def task_weights(ctx: Stages, s: int, carry: TickCarry, instr) -> Any:
   weights = ctx.params.unpack(s, read_version(carry.ring, instr.lag))
   if not ctx.predicts:
     return weights
+  counts = {"ahead": instr.ahead, "since_forward": instr.since_forward}
+  if contract.pipeline_wide(ctx.optimizer):
+    counts["pipeline_ahead"] = instr.pipeline_ahead
   return ctx.optimizer.predict(ctx.opt.unpack(s, carry.opt_state), weights,
-                               ahead=instr.ahead,
-                               since_forward=instr.since_forward)
+                               **counts)
 
 
 def read_slot(buffer: packing.Flat, slot) -> packing.Flat:

@@ -150,10 +150,56 @@ class Schedule:
 
   def ahead(self, task: Task) -> int:
     """Updates `task`'s stage applies between the version the task reads and
-    its minibatch's own update (SpecTrain's staleness s of the stage and
-    pass)."""
+    its minibatch's own update (SpecTrain's s with staleness='minibatch';
+    the paper's is `pipeline_ahead`)."""
     return (self.update_version(task.stage, task.minibatch)
             - self.task_version(task))
+
+  def pipeline_ahead(self, task: Task) -> int:
+    """SpecTrain's pipeline-wide staleness s of `task`.
+
+    SpecTrain predicts one pipeline-wide version per minibatch: the weights
+    every stage holds as the minibatch's backward reaches stage 0. On stage
+    k of N that is :math:`\\lfloor k/2 \\rfloor + N - k - 1` updates ahead
+    for a forward and :math:`\\lfloor k/2 \\rfloor` for a backward, the same
+    for every minibatch: ntueclab/SpecTrain-PyTorch `src/optimizer.py:304-306`
+    (`load_predicted_weights`, the paper's "version 1"; its README's figure
+    `doc/v1.svg` derives it with a backward twice as long as a forward).
+    Here it is applied as that code applies it, a fixed function of stage and
+    pass whatever the ticks. `ahead` instead counts to the minibatch's own
+    update on the task's stage (N-1-k and 0 once the pipeline is full).
+    Defined only where the formula is (`pipeline_ahead_error`).
+
+    Raises:
+      ValueError: where `pipeline_ahead_error` names a reason.
+    """
+    if self.pipeline_ahead_error:
+      raise ValueError(self.pipeline_ahead_error)
+    k = task.stage
+    forward = self.num_stages - 1 - k if self.kind(task).runs_forward else 0
+    return k // 2 + forward
+
+  @functools.cached_property
+  def pipeline_ahead_error(self) -> str | None:
+    """Why `pipeline_ahead` is undefined here, in one line; None where it is.
+
+    SpecTrain's formula is for asynchronous 1F1B without weight stashing
+    (every task reads its stage's latest weights, prediction replacing the
+    stash) and one micro-batch per minibatch: `pipedream` with
+    `weight_stashing=False`, `vertical_sync=False` and M = 1.
+    """
+    options = dict(self.options)
+    if (self.name != "pipedream" or options.get("weight_stashing", True)
+        or options.get("vertical_sync", False)):
+      return (f"schedule {self.name!r} with options {options} has no SpecTrain "
+              "pipeline-wide staleness; valid: 'pipedream' with "
+              "weight_stashing=False (asynchronous 1F1B, every task on its "
+              "stage's latest weights), or SpecTrain's staleness='minibatch'")
+    if self.num_microbatches != 1:
+      return (f"num_microbatches={self.num_microbatches} has no SpecTrain "
+              "pipeline-wide staleness (its minibatch is one micro-batch); "
+              "valid: 1, or SpecTrain's staleness='minibatch'")
+    return None
 
   def since_forward(self, task: Task) -> int:
     """Updates between the version the task's forward read and the version

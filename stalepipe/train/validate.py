@@ -77,7 +77,11 @@ TRANSFORM_KWARGS = {
                  "None, 'ema' or 'current'"),
     "eps": _POSITIVE, "decay": _FRACTION, "b1": _FRACTION, "b2": _FRACTION,
     "num_workers": _POSITIVE_INT, "wave_size": _POSITIVE_INT,
-    "staleness": _NON_NEGATIVE, "option": (lambda v: v in (1, 2, 3), "1, 2 or 3"),
+    "staleness": (lambda v: v in optim.SpecTrain.STALENESS
+                  or _NON_NEGATIVE[0](v),
+                  "a number >= 0 (scale_by_staleness), or 'pipeline' or "
+                  "'minibatch' (SpecTrain)"),
+    "option": (lambda v: v in (1, 2, 3), "1, 2 or 3"),
     "warmup_steps": _NATURAL_INT,
 }
 
