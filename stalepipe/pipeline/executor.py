@@ -100,13 +100,15 @@ def run_window(ctx: tick_lib.Stages, state: PipelineState, inputs, targets,
       buffers=local(state.buffers, j), sync=local(state.sync, j),
       loss_sum=jnp.zeros((), jnp.float32), num_losses=jnp.zeros((), jnp.int32),
       metric_sums=tick_lib.zero_objective(ctx)[1],
-      stage_state=local(state.stage_state, j))
+      stage_state=local(state.stage_state, j),
+      arrivals=tick_lib.nothing_arrived(ctx))
                   for j in range(ctx.placement.num_slots))
   table = jax.tree.map(
       lambda c: jax.lax.dynamic_index_in_dim(c, jnp.minimum(step, K - 1),
                                              keepdims=False), tables)
   carries, _ = jax.lax.scan(functools.partial(tick_lib.tick, ctx, window),
                             carries, table)
+  carries = [tick_lib.file_arrivals(ctx, c) for c in carries]
   total = lambda get: jax.lax.psum(sum(get(c) for c in carries), STAGE)  # pylint: disable=unnecessary-lambda-assignment
   num_losses = total(lambda c: c.num_losses)
   mean = lambda value: jax.lax.pmean(value, DATA) / jnp.where(  # pylint: disable=unnecessary-lambda-assignment

@@ -76,6 +76,7 @@ class TickCarry(NamedTuple):
   num_losses: jax.Array  # int32 []
   metric_sums: dict  # name -> float32 []: their metrics (`stage.Output`)
   stage_state: packing.Flat | None  # dtype -> [L_state]: this stage's state
+  arrivals: Any = None  # `tick.Arrivals`: what arrived last tick, to file
 
 
 def local(tree, slot: int = 0):

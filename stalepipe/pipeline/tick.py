@@ -395,6 +395,14 @@ def task_branches(ctx: Stages) -> list[list[Callable]]:
           for s in range(ctx.num_stages)]
 
 
+def task_changes(carry: TickCarry) -> dict:
+  """The fields of the carry a task's branch changes: the rest (the ring,
+  the buffers, the accumulator) leave its conditional by no output, so XLA
+  copies none of them for the branches that pass them through."""
+  return {"loss_sum": carry.loss_sum, "num_losses": carry.num_losses,
+          "metric_sums": carry.metric_sums, "stage_state": carry.stage_state}
+
+
 def run_tasks(ctx: Stages, carry: TickCarry, instr, window: Window):
   """The stage's task, dispatched (`ctx.lowering`) in two groups under one
   two-way `cond`: the kinds that produce a weight gradient, and the rest.
@@ -407,7 +415,8 @@ def run_tasks(ctx: Stages, carry: TickCarry, instr, window: Window):
   passes a buffer through, each buffer that another branch changes; a
   two-way `cond` copies nothing when its changing branch updates the buffer
   elementwise. So no tick copies the accumulator (2 MB per stage of the
-  benchmarks' MLP), and no branch packs a copy of the gradient.
+  benchmarks' MLP), and no branch packs a copy of the gradient. Nor do the
+  branches return the ring or the buffers (`task_changes`).
   """
   branches = task_branches(ctx)
   kinds = [kinds_lib.kind(name) for name in ctx.program.kinds]
@@ -429,18 +438,19 @@ def run_tasks(ctx: Stages, carry: TickCarry, instr, window: Window):
 
   def adding(c):
     done, output, gradient = group(
-        adds, c, lambda d, o, g: (d, o, zeros if g is None else g))
+        adds, c, lambda d, o, g: (task_changes(d), o,
+                                  zeros if g is None else g))
     grads = jax.tree.map(jnp.add, accumulated(c), ctx.params.join(gradient))
-    return done._replace(grads=grads, grads_spent=jnp.zeros((), bool)), output
+    return done, grads, jnp.zeros((), bool), output
 
   def not_adding(c):
-    done, output = group(rest, c, lambda d, o, g: (d, o))
-    return done._replace(grads=c.grads, grads_spent=c.grads_spent), output
+    done, output = group(rest, c, lambda d, o, g: (task_changes(d), o))
+    return done, c.grads, c.grads_spent, output
 
-  if not adds:
-    return not_adding(carry)
-  return jax.lax.cond(jnp.isin(instr.kind, np.asarray(adds)), adding,
-                      not_adding, carry)
+  run = (functools.partial(jax.lax.cond, jnp.isin(instr.kind, np.asarray(
+      adds)), adding, not_adding) if adds else not_adding)
+  done, grads, spent, output = run(carry)
+  return carry._replace(grads=grads, grads_spent=spent, **done), output
 
 
 def keep_residuals(carry: TickCarry, output: TaskOutput) -> TickCarry:
@@ -479,12 +489,14 @@ def hop(placement: placement_lib.Placement, x, hop_: placement_lib.Hop,
   return into
 
 
-def exchange(ctx: Stages, outputs: list[TaskOutput], rows,
-             device) -> list[TaskOutput]:
+def exchange(ctx: Stages, outputs: list[TaskOutput], rows, device,
+             filed: list) -> list[TaskOutput]:
   """Every send moves to the next stage (activations) or the previous one
   (cotangents), wherever the placement holds it (`placement.Hop`); returns,
   per slot of this device, what arrives there this tick (zeros where
-  nothing does)."""
+  nothing does). `filed`: each slot's buffers after last tick's arrivals
+  were filed; what arrives now is computed after them (a barrier), so it
+  can take the place of what arrived last tick without a copy."""
   arrived = [output._replace(
       forward=jax.tree.map(jnp.zeros_like, output.forward),
       backward=jax.tree.map(jnp.zeros_like, output.backward))
@@ -492,25 +504,55 @@ def exchange(ctx: Stages, outputs: list[TaskOutput], rows,
   for field, recv, step in (("forward", rows.recv_forward, 1),
                             ("backward", rows.recv_backward, -1)):
     for h in ctx.placement.hops(step):
-      got = hop(ctx.placement, getattr(outputs[h.source], field), h, device,
+      sent, _ = jax.lax.optimization_barrier((getattr(outputs[h.source],
+                                                      field), filed[h.dest]))
+      got = hop(ctx.placement, sent, h, device,
                 getattr(arrived[h.dest], field), recv)
       arrived[h.dest] = arrived[h.dest]._replace(**{field: got})
   return arrived
 
 
-def file_arrivals(ctx: Stages, carry: TickCarry, received: TaskOutput, instr,
-                  window: Window) -> TickCarry:
-  """Files what arrived into the slots the stage's row names (a tick with
-  nothing arriving writes the scratch slot C)."""
-  C = ctx.program.num_slots
+class Arrivals(NamedTuple):
+  """What arrived at a stage in a tick, filed at the start of the next one
+  (`file_arrivals`): then a buffer's write comes before the task that reads
+  it in the same tick, so XLA updates it in place instead of copying it
+  for a read it cannot order before the write."""
+
+  forward: packing.Flat  # dtype -> [A]: an activation
+  backward: packing.Flat  # dtype -> [W, A']: cotangents
+  forward_slot: jax.Array  # int32 []: its slot; C (scratch) when none came
+  backward_slots: jax.Array  # int32 [W]: theirs
+
+
+def arrivals(ctx: Stages, received: TaskOutput, instr,
+             window: Window) -> Arrivals:
+  """What arrived this tick and the slots the stage's row names for it."""
+  C, W = ctx.program.num_slots, ctx.program.backward_width
   slot = lambda at, w=0: jnp.where(at >= 0, (at + window.base + w) % C, C)  # pylint: disable=unnecessary-lambda-assignment
-  acts = {k: v.at[slot(instr.recv_forward)].set(received.forward[k])
+  return Arrivals(received.forward, received.backward,
+                  slot(instr.recv_forward),
+                  jnp.stack([slot(instr.recv_backward, w) for w in range(W)]))
+
+
+def nothing_arrived(ctx: Stages) -> Arrivals:
+  """Zero rows for the scratch slot C: nothing to file."""
+  C, W = ctx.program.num_slots, ctx.program.backward_width
+  output = no_output(ctx)
+  return Arrivals(output.forward, output.backward, jnp.int32(C),
+                  jnp.full((W,), C, jnp.int32))
+
+
+def file_arrivals(ctx: Stages, carry: TickCarry) -> TickCarry:
+  """Files what arrived last tick (`carry.arrivals`) into its slots."""
+  got = carry.arrivals
+  acts = {k: v.at[got.forward_slot].set(got.forward[k])
           for k, v in carry.buffers.acts.items()}
   cots = carry.buffers.cots
   for w in range(ctx.program.backward_width):
-    cots = {k: v.at[slot(instr.recv_backward, w)].set(received.backward[k][w])
+    cots = {k: v.at[got.backward_slots[w]].set(got.backward[k][w])
             for k, v in cots.items()}
-  return carry._replace(buffers=carry.buffers._replace(acts=acts, cots=cots))
+  return carry._replace(buffers=carry.buffers._replace(acts=acts, cots=cots),
+                        arrivals=nothing_arrived(ctx))
 
 
 def optimizer_step(ctx: Stages, s: int, carry: TickCarry, grads, instr):
@@ -631,17 +673,19 @@ def apply_updates(ctx: Stages, windows, carries, instrs) -> tuple:
 
 
 def tick(ctx: Stages, window: Window, carries: tuple, rows):
-  """One tick on this device: the task of each of its slots' stages (`rows`
-  holds every stage's row), the sends, the arrivals filed, the updates."""
+  """One tick on this device: what arrived last tick filed, the task of
+  each of its slots' stages (`rows` holds every stage's row), the sends,
+  the updates."""
   windows = [at_slot(ctx, window, j) for j in range(len(carries))]
   instrs = [jax.tree.map(lambda column, w=w: column[w.stage], rows)
             for w in windows]
   done, outputs = [], []
   for w, c, i in zip(windows, carries, instrs):
-    c, output = run_tasks(ctx, c, i, w)
+    c, output = run_tasks(ctx, file_arrivals(ctx, c), i, w)
     done.append(keep_residuals(c, output))
     outputs.append(output)
-  received = exchange(ctx, outputs, rows, window.device)
-  done = [file_arrivals(ctx, c, r, i, w)
+  received = exchange(ctx, outputs, rows, window.device,
+                      [c.buffers for c in done])
+  done = [c._replace(arrivals=arrivals(ctx, r, i, w))
           for w, c, r, i in zip(windows, done, received, instrs)]
   return apply_updates(ctx, windows, done, instrs), None
