@@ -249,3 +249,26 @@ def test_bad_placements_are_refused_in_one_line():
       "1 devices on 'stage' is invalid for 4 stages in a V placement; "
       "valid: 2 (two stages a device)")):
     placement_lib.make("v", 4, 1)
+
+
+@pytest.mark.slow
+def test_launch_with_stage_devices_trains_the_unfolded_weights(tmp_path):
+  """`launch.py --config.stage_devices=1` (the 4 stages on one device per
+  replica) writes the params the 4-device run writes, to rounding: XLA
+  compiles the two programs' matmuls differently (1e-9 after 8 Adam
+  steps here)."""
+  import launching  # pylint: disable=g-import-not-at-top,import-outside-toplevel
+  got = []
+  for devices in (0, 1):
+    workdir = tmp_path / f"devices{devices}"
+    run = launching.launch("--config=configs/pipedream.py",
+                           "--config.num_steps=8",
+                           f"--config.stage_devices={devices}",
+                           workdir=workdir)
+    assert run.returncode == 0, run.stderr[-2000:]
+    with np.load(workdir / "params.npz") as f:
+      got.append(dict(f))
+  assert got[0].keys() == got[1].keys()
+  for key in got[0]:
+    np.testing.assert_allclose(got[0][key], got[1][key], rtol=1e-5,
+                               atol=1e-8)

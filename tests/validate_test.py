@@ -122,6 +122,15 @@ BAD = [
      "stage_boundaries=(0, 2, 1, 3) is invalid; valid: () or increasing"),
     ({"dataset_kwargs": ml_collections.ConfigDict({"seed": 0, "size": 3})},
      "dataset_kwargs.size=3 is invalid: dataset 'digits' takes no 'size'"),
+    ({"stage_devices": 3}, "stage_devices=3 is invalid; valid: a divisor of 4 "
+     "(num_stages=4, placement='consecutive'), or 0 for num_stages"),
+    ({"stage_devices": -1}, "stage_devices=-1 is invalid; valid: an integer "
+     ">= 0 (0: num_stages)"),
+    ({"placement": "ring"}, "placement='ring' is invalid; valid: consecutive, "
+     "loop, v"),
+    ({"placement": "v", "stage_devices": 1},
+     "stage_devices=1 is invalid; valid: 2 (two stages a device) "
+     "(num_stages=4, placement='v'), or 0 for num_stages"),
 ]
 
 

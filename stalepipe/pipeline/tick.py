@@ -149,7 +149,10 @@ def ring_slot(versions: jax.Array, version) -> jax.Array:
 
 
 def read_version(ring: WeightRing, lag) -> packing.Flat:
-  """The packed version `lag` updates behind the latest."""
+  """The packed version `lag` updates behind the latest (a ring of one
+  version, a schedule without stashes, reads its only slot in place)."""
+  if ring.versions.shape[0] == 1:
+    return {k: v[0] for k, v in ring.params.items()}
   slot = ring_slot(ring.versions, ring.latest - lag)
   return {k: v[slot] for k, v in ring.params.items()}
 
