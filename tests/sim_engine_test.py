@@ -170,19 +170,34 @@ def test_scheduler_decides_as_union_find_on_random_ready_times():
     assert new.skipped == old.skipped
 
 
-def test_components_equal_union_find():
+def random_groups(rng, N):
+  order = rng.permutation(N)
+  cuts = np.sort(rng.choice(np.arange(1, N), int(rng.integers(0, N)),
+                            replace=False))
+  sizes = np.diff(np.concatenate([[0], cuts, [N]]))
+  return grouping.Groups(order, np.concatenate([[0], np.cumsum(sizes)]))
+
+
+def test_sync_graph_components_equal_union_find_over_the_window():
+  """Components of the last `size` iterations' groups plus this one's, as
+  the window slides, against union-find over the same group lists."""
   rng = np.random.default_rng(1)
-  for _ in range(200):
-    R, N = int(rng.integers(1, 6)), int(rng.integers(1, 30))
-    rows = rng.integers(0, int(rng.integers(1, N + 1)), (R, N))
-    rows += (N * np.arange(R))[:, None]
-    comp, count = grouping.components(rows)
-    uf = sdpipe_oracle.sync_graph(
-        N, [np.flatnonzero(row == label) for row in rows
-            for label in np.unique(row)])
-    assert count == uf.components
-    for a, b in itertools.combinations(range(N), 2):
-      assert (comp[a] == comp[b]) == (uf.find(a) == uf.find(b))
+  for _ in range(40):
+    N, size = int(rng.integers(1, 30)), int(rng.integers(0, 6))
+    graph, rows = grouping.SyncGraph(size, N), []
+    for _ in range(15):
+      groups = random_groups(rng, N)
+      comp, count = graph.components(groups)
+      past = rows[max(0, len(rows) - size):] if size else []
+      uf = sdpipe_oracle.sync_graph(
+          N, [g for row in past + [groups] for g in row])
+      assert count == uf.components
+      assert comp.min() == 0 and comp.max() == count - 1
+      for a, b in itertools.combinations(range(N), 2):
+        assert (comp[a] == comp[b]) == (uf.find(a) == uf.find(b))
+      pushed = random_groups(rng, N) if rng.random() < 0.5 else groups
+      graph.push(pushed)
+      rows.append(pushed)
 
 
 def test_knowledge_equals_the_dense_matrix():
