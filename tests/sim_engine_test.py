@@ -202,37 +202,47 @@ def test_sync_graph_components_equal_union_find_over_the_window():
 
 def test_knowledge_equals_the_dense_matrix():
   """Row sums of know (today's N x N bookkeeping), with floors and reads of
-  versions older than the current one."""
+  versions older than the current one; stages given their groups as index
+  arrays, `grouping.Groups` and a `[pairs, 2]` array."""
   rng = np.random.default_rng(2)
+  S = 3
   for N, depth in ((1, 2), (5, 2), (6, 3), (7, 5), (20, 2)):
     B = 30
-    kept = np.ones(B + 1, bool)
-    fast = knowledge.Knowledge(N, B + 1, depth, kept)
-    grouped = knowledge.Knowledge(N, B + 1, depth, kept)  # grouping.Groups
-    know = np.zeros((N, N), np.int64)
+    fast = knowledge.Knowledge(S, N, B + 1, depth, np.ones((S, B + 1), bool))
+    know = np.zeros((S, N, N), np.int64)
     history = {0: know.copy()}
     for p in range(B):
-      version = int(rng.integers(max(0, p + 2 - depth), p + 1))
-      floor = rng.integers(0, 3, N) * int(rng.random() < 0.3)
-      want = np.maximum(history[version], floor[:, None]).sum(axis=1)
-      np.testing.assert_array_equal(fast.reflected(version, floor), want)
-      np.testing.assert_array_equal(grouped.reflected(version, floor), want)
-      kind = rng.integers(4)
-      if kind == 0:
-        found = ()
-      elif kind == 1:
-        found = (np.arange(N),)
-      else:
-        order = rng.permutation(N)
-        cuts = np.sort(rng.choice(np.arange(1, N), rng.integers(0, N) // 2,
-                                  replace=False)) if N > 1 else []
-        found = tuple(np.split(order, cuts))
-      fast.update(p, found)
-      sizes = [len(g) for g in found]
-      grouped.update(p, grouping.Groups(
-          np.concatenate(found) if found else np.zeros(0, int),
-          np.concatenate([[0], np.cumsum(sizes)]).astype(int)))
-      know[np.arange(N), np.arange(N)] = p + 1
-      for g in found:
-        know[g] = know[g].max(axis=0)
+      for s in range(S):
+        version = int(rng.integers(max(0, p + 2 - depth), p + 1))
+        floor = rng.integers(0, 3, N) * int(rng.random() < 0.3)
+        want = np.maximum(history[version][s], floor[:, None]).sum(axis=1)
+        np.testing.assert_array_equal(fast.reflected(s, version, floor), want)
+      given, found = [], []
+      for s in range(S):
+        kind = rng.integers(4)
+        if kind == 0:
+          groups = ()
+        elif kind == 1:
+          groups = (np.arange(N),)
+        else:
+          order = rng.permutation(N)
+          cuts = np.sort(rng.choice(np.arange(1, N), rng.integers(0, N) // 2,
+                                    replace=False)) if N > 1 else []
+          groups = tuple(np.split(order, cuts))
+        if s == 1 and groups:
+          sizes = [len(g) for g in groups]
+          given.append(grouping.Groups(np.concatenate(groups),
+                                       np.concatenate([[0], np.cumsum(sizes)])))
+        elif s == 2 and kind > 1:
+          pairs = rng.permutation(N)[:N // 2 * 2].reshape(-1, 2)
+          given.append(pairs)
+          groups = tuple(pairs)
+        else:
+          given.append(groups)
+        found.append(groups)
+      fast.update(p, given)
+      know[:, np.arange(N), np.arange(N)] = p + 1
+      for s in range(S):
+        for g in found[s]:
+          know[s, g] = know[s, g].max(axis=0)
       history[p + 1] = know.copy()
