@@ -29,6 +29,7 @@ import math
 
 import numpy as np
 
+from stalepipe.sim import cluster as cluster_lib
 from stalepipe.sim import policy
 from stalepipe.sync.grouping import Scheduler
 
@@ -40,33 +41,35 @@ class _SDPipeRunner(policy.Runner):
     self.scheduler = Scheduler(ctx.cluster.num_stages, history, window,
                                enforce)
     self.nodes = ctx.cluster.nodes.T  # [S, N]
+    # [S, 2, N + 1]: a group's averaging by its size, across nodes and
+    # within one.
+    self.seconds = np.array([[[0.0] + [
+        cluster_lib.ring_allreduce_seconds(b, n, link)
+        for n in range(1, ctx.num_pipelines + 1)]
+                              for link in (ctx.cluster.inter,
+                                           ctx.cluster.intra)]
+                             for b in ctx.costs.param_bytes])
 
   def sync(self, stage, minibatch, ready):
     groups, starts = self.scheduler.decide(stage, minibatch, ready)
-    sizes, offsets, members = groups.sizes, groups.offsets, groups.members
-    starts = np.asarray(starts)
-    nodes = self.nodes[stage][members]
-    heads = offsets[:-1]
-    one_node = (np.minimum.reduceat(nodes, heads)
-                == np.maximum.reduceat(nodes, heads))
-    ctx = self.ctx
-    bandwidth = np.where(one_node, ctx.cluster.intra.bandwidth,
-                         ctx.cluster.inter.bandwidth)
-    latency = np.where(one_node, ctx.cluster.intra.latency,
-                       ctx.cluster.inter.latency)
-    # cluster.ring_allreduce_seconds, one group per entry.
-    seconds = (2 * (sizes - 1) / sizes * ctx.costs.param_bytes[stage]
-               / bandwidth + 2 * (sizes - 1) * latency)
+    sizes, members = groups.sizes, groups.members
+    finish = np.array(starts)  # a lone worker is done when its window closes
     multi = sizes > 1
-    finish = np.where(multi, starts + seconds, starts)
-    applied = ready.copy()
-    applied[members] = np.repeat(finish, sizes)
-    averaging = np.repeat(multi, sizes)
     comm = ()
     if multi.any():
-      comm = (policy.CommEvent(members[averaging],
-                               np.repeat(starts[multi], sizes[multi]),
-                               np.repeat(finish[multi], sizes[multi])),)
+      together = members[np.repeat(multi, sizes)]
+      counts = sizes[multi]
+      heads = np.cumsum(counts) - counts
+      nodes = self.nodes[stage][together]
+      one_node = (np.minimum.reduceat(nodes, heads)
+                  == np.maximum.reduceat(nodes, heads))
+      begin = finish[multi]
+      end = begin + self.seconds[stage][one_node.astype(np.intp), counts]
+      finish[multi] = end
+      comm = (policy.CommEvent(together, np.repeat(begin, counts),
+                               np.repeat(end, counts)),)
+    applied = np.empty_like(ready)
+    applied[members] = np.repeat(finish, sizes)
     return policy.SyncOutcome(applied, groups, comm)
 
   def extras(self):
