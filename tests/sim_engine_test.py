@@ -126,7 +126,9 @@ def test_compiled_schedule_equals_reference(name, M, kw):
 class OracleScheduler:
   """Today's union-find scheduler behind the vectorised one's interface."""
 
-  def __init__(self, num_stages, history, window, enforce=True):
+  def __init__(self, num_stages, history, window, enforce=True, min_size=1,
+               history_unit="iteration"):
+    assert (min_size, history_unit) == (1, "iteration")
     self.inner = sdpipe_oracle.Scheduler(num_stages, history, window, enforce)
     self.groups, self.skipped = self.inner.groups, self.inner.skipped
 
@@ -146,28 +148,59 @@ def test_sdpipe_run_equals_union_find_scheduler(history, window, monkeypatch):
       s, cluster(N, S), costs(S), sp.sim.sdpipe(history, window),
       perturbations=[sp.sim.hete("B")], seed=history)
   fast = run()
-  monkeypatch.setattr(sdpipe_sync, "Scheduler", OracleScheduler)
+  monkeypatch.setattr(sdpipe_sync.grouping, "Scheduler", OracleScheduler)
   slow = run()
   assert_same(fast, slow)
   assert fast.extras["sdpipe_skipped"] == slow.extras["sdpipe_skipped"]
 
 
-def test_scheduler_decides_as_union_find_on_random_ready_times():
-  rng = np.random.default_rng(0)
-  for trial in range(60):
-    N, S = int(rng.integers(1, 12)), int(rng.integers(1, 4))
+def decide_alike(rng, make_new, make_old, trials=60, max_workers=12):
+  """Two schedulers on the same random ready times (stages in random order
+  each iteration), decision for decision."""
+  for trial in range(trials):
+    N, S = int(rng.integers(1, max_workers)), int(rng.integers(1, 4))
     history, window = int(rng.integers(1, 6)), float(rng.uniform(0, 0.3))
-    new = grouping.Scheduler(S, history, window)
-    old = sdpipe_oracle.Scheduler(S, history, window)
+    new, old = make_new(S, history, window), make_old(S, history, window)
     for k in range(12):
       ready = rng.random((S, N)) + 0.2 * k
       for stage in rng.permutation(S).tolist():
         g_new, t_new = new.decide(stage, k, ready[stage])
         g_old, t_old = old.decide(stage, k, ready[stage])
-        assert [g.tolist() for g in g_new] == [g.tolist() for g in g_old], (
-            trial, k, stage)
+        assert [g.tolist() for g in g_new] == [
+            np.asarray(g).tolist() for g in g_old], (trial, k, stage)
         assert t_new == t_old
     assert new.skipped == old.skipped
+
+
+def test_scheduler_decides_as_union_find_on_random_ready_times():
+  decide_alike(np.random.default_rng(0), grouping.Scheduler,
+               sdpipe_oracle.Scheduler)
+
+
+@pytest.mark.parametrize("min_size", [2, 3])
+def test_scheduler_with_the_adaptive_timeout_decides_as_union_find(
+    min_size, monkeypatch):
+  """The union-find scheduler over Algorithm 2's event loop with §4's
+  growing timeout (`sdpipe_oracle.algorithm2`) decides as
+  `grouping.Scheduler`."""
+  algorithm2 = sdpipe_oracle.algorithm2
+  monkeypatch.setattr(sdpipe_oracle, "window_groups", lambda ready, window: (
+      [np.array(g) for g in algorithm2(ready, window, min_size)[0]],
+      algorithm2(ready, window, min_size)[1]))
+  decide_alike(np.random.default_rng(min_size),
+               lambda *a: grouping.Scheduler(*a, min_size=min_size),
+               sdpipe_oracle.Scheduler, trials=40)
+
+
+@pytest.mark.parametrize("min_size", [1, 2])
+def test_history_in_group_sync_operations_decides_as_union_find(min_size):
+  """P counted in groups (§3.2's clock k): `grouping.Scheduler` against
+  `sdpipe_oracle.GroupClockScheduler`, union-find over lists of groups."""
+  decide_alike(np.random.default_rng(10 + min_size),
+               lambda *a: grouping.Scheduler(*a, min_size=min_size,
+                                             history_unit="group"),
+               lambda *a: sdpipe_oracle.GroupClockScheduler(*a, min_size),
+               trials=40, max_workers=10)
 
 
 def random_groups(rng, N):

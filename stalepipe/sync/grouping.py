@@ -73,12 +73,16 @@ class Groups(collections.abc.Sequence):
     return out
 
 
-def window_groups(ready: np.ndarray, window: float) -> tuple[Groups, list]:
+def window_groups(ready: np.ndarray, window: float, min_size: int = 1
+                  ) -> tuple[Groups, list]:
   """Groups of workers whose ready signals fall within `window` of the first.
 
   Algorithm 2 of seed 002: a group opens at the earliest waiting signal and
   closes `window` seconds later, or as soon as every worker still expected has
-  joined.
+  joined. With `min_size` > 1, §4's adaptive timeout: a window that closes
+  with fewer than `min_size` workers is enlarged until the `min_size`-th
+  joins (and closes then); the paper enlarges it "slightly" and gives no
+  threshold, so `min_size=1` (the default) keeps `T` fixed.
 
   Returns:
     `(groups, starts)`: the members of each group in time order, and when its
@@ -88,17 +92,29 @@ def window_groups(ready: np.ndarray, window: float) -> tuple[Groups, list]:
     >>> g, t = window_groups(np.array([0.0, 0.05, 1.0, 1.2]), 0.1)
     >>> [x.tolist() for x in g], t
     ([[0, 1], [2], [3]], [0.1, 1.1, 1.2])
+    >>> g, t = window_groups(np.array([0.0, 0.05, 1.0, 1.2, 1.25]), 0.1, 2)
+    >>> [x.tolist() for x in g], t
+    ([[0, 1], [2, 3], [4]], [0.1, 1.2, 1.25])
   """
   order = np.argsort(ready, kind="stable")
   times = ready[order]
   n = len(order)
-  after = np.searchsorted(times, times + window, side="right").tolist()
-  firsts, i = [], 0
+  after = np.searchsorted(times, times + window, side="right")
+  grown = None
+  if min_size > 1:  # the min_size-th signal from each one, and its ties
+    enough = np.searchsorted(times, times[np.minimum(np.arange(n) + min_size,
+                                                     n) - 1], side="right")
+    grown = enough > after
+    after = np.maximum(after, enough)
+  nexts, firsts, i = after.tolist(), [], 0
   while i < n:
     firsts.append(i)
-    i = after[i]
+    i = nexts[i]
   heads = np.array(firsts, np.int64)
   starts = times[heads] + window
+  if grown is not None:  # an enlarged window closes as its last member joins
+    late = heads[grown[heads]]
+    starts[grown[heads]] = times[after[late] - 1]
   starts[-1:] = times[-1:]  # the last group holds every worker still expected
   return Groups(order, np.append(heads, n)), starts.tolist()
 
@@ -264,12 +280,39 @@ def merge(groups: Groups, starts: list, waits: list[int]
   return Groups(groups.members, offsets), merged
 
 
+HISTORY_UNITS = ("iteration", "group")
+
+
+def check(history: int, window: float, min_size: int,
+          history_unit: str) -> None:
+  """Raises a one-line ValueError for an invalid P, T, `min_size` or unit."""
+  if history_unit not in HISTORY_UNITS:
+    raise ValueError(f"history_unit={history_unit!r} is invalid; valid: "
+                     f"{', '.join(HISTORY_UNITS)}")
+  if not isinstance(history, int) or history < 1:
+    raise ValueError(f"history={history!r} is invalid; it must be an integer "
+                     ">= 1")
+  if not window >= 0:
+    raise ValueError(f"window={window!r} is invalid; it must be >= 0 seconds")
+  if not isinstance(min_size, int) or min_size < 1:
+    raise ValueError(f"min_size={min_size!r} is invalid; it must be an "
+                     "integer >= 1")
+
+
 class Scheduler:
   """SDPipe's central scheduler: Algorithm 2 with §3.4's validation.
 
   Per stage it keeps the sync graph of the last P-1 iterations; a
   validation that would make a group wait while another stage's enforcement
   is still waiting is skipped (deadlock prevention) and recorded.
+
+  With `history_unit="group"`, P counts group-sync operations (§3.2's clock
+  k) instead: each group, in time order, is validated against the last P-1
+  groups and waits for the next one of its iteration while the graph is
+  disconnected; an iteration's last group has no later signal to wait for
+  here and is kept as it is. Once a validation is skipped, the rest of the
+  iteration's are (§3.4: "ignore later group validation operation in the
+  current iteration").
 
   Examples:
     >>> sched = Scheduler(1, history=1, window=0.1)
@@ -279,9 +322,13 @@ class Scheduler:
   """
 
   def __init__(self, num_stages: int, history: int, window: float,
-               enforce: bool = True):
+               enforce: bool = True, min_size: int = 1,
+               history_unit: str = "iteration"):
+    check(history, window, min_size, history_unit)
     self.window, self.enforce, self.history = window, enforce, history
-    self.past = [None] * num_stages  # SyncGraph of the last P - 1 iterations
+    self.min_size = min_size  # §4's adaptive timeout (`window_groups`)
+    self.history_unit = history_unit
+    self.past = [None] * num_stages  # SyncGraph of the last P - 1 units
     self.waiting = {}  # stage -> (begin, end) of its last enforcement wait
     self.groups = [[] for _ in range(num_stages)]  # per stage, per iteration
     self.skipped = []  # (stage, iteration) whose validation was skipped
@@ -291,18 +338,52 @@ class Scheduler:
     """This iteration's groups of `stage` and when each starts averaging."""
     if self.past[stage] is None:
       self.past[stage] = SyncGraph(self.history - 1, len(ready))
-    groups, starts = window_groups(ready, self.window)
+    groups, starts = window_groups(ready, self.window, self.min_size)
+    if self.history_unit == "group":
+      groups, starts = self._by_group(stage, iteration, groups, starts)
+      self.groups[stage].append(groups)
+      return groups, starts
     waits = enforce(groups, self.past[stage]) if self.enforce else []
     if waits:
       begin = starts[waits[0] - 1]  # the earliest group that waits
-      if any(s != stage and b <= begin < e
-             for s, (b, e) in self.waiting.items()):
+      if self._blocked(stage, begin):
         self.skipped.append((stage, iteration))
       else:
         groups, starts = merge(groups, starts, waits)
         self.waiting[stage] = (begin, max(starts))
     self.past[stage].push(groups)
     self.groups[stage].append(groups)
+    return groups, starts
+
+  def _blocked(self, stage: int, begin: float) -> bool:
+    """Whether another stage's enforcement is still waiting at `begin`."""
+    return any(s != stage and b <= begin < e
+               for s, (b, e) in self.waiting.items())
+
+  def _by_group(self, stage, iteration, groups, starts):
+    """This iteration's groups validated one by one (`history_unit`)."""
+    graph, n = self.past[stage], len(groups.members)
+    waits, checking, begin = [], self.enforce, None
+    first = 0  # the candidate: groups first..j
+    for j in range(len(groups)):
+      lo, hi = groups.offsets[first], groups.offsets[j + 1]
+      alone = np.setdiff1d(np.arange(n), groups.members[lo:hi])
+      row = Groups(np.concatenate([groups.members[lo:hi], alone]),
+                   np.concatenate([[0], np.arange(hi - lo, n + 1)]))
+      if checking and j + 1 < len(groups) and graph.components(row)[1] > 1:
+        if begin is None and self._blocked(stage, starts[j]):
+          self.skipped.append((stage, iteration))
+          checking = False
+        else:
+          begin = starts[j] if begin is None else begin
+          waits.append(j + 1)  # waits for the next group and merges
+          continue
+      graph.push(row)
+      first = j + 1
+    if not waits:
+      return groups, starts
+    groups, starts = merge(groups, starts, waits)
+    self.waiting[stage] = (begin, max(starts))
     return groups, starts
 
 
