@@ -163,14 +163,15 @@ def _join(labels: np.ndarray, count: int, members: np.ndarray,
 
 
 class SyncGraph:
-  """The sync graph of the last `size` iterations of one stage (seed 002
-  §3.3): its edges join the members of each iteration's groups.
+  """The sync graph of one stage's last `size` rows (seed 002 §3.3): a row
+  is the groups of one iteration (or one group, `Scheduler`'s
+  `history_unit`), and the graph's edges join the members of each group.
 
-  Its components, with one more iteration's groups, are a union-find over
-  component labels rather than workers: the window slides as a queue of two
-  stacks, the older rows each joined with the rows after it up to the end of
-  their stack, the newer ones joined as they come, so each iteration's row
-  is joined about three times whatever `size` is.
+  Its components, with one more row, are a union-find over component labels
+  rather than workers: the window slides as a queue of two stacks, the older
+  rows each joined with the rows after it up to the end of their stack, the
+  newer ones joined as they come, so each row is joined about three times
+  whatever `size` is.
 
   Examples:
     >>> g = SyncGraph(2, 4)
@@ -184,11 +185,11 @@ class SyncGraph:
   def __init__(self, size: int, num_workers: int):
     self.size, self.n = size, num_workers
     self.front = []  # (labels, count): oldest last, each joined to newer
-    self.back = []  # (members, inner, groups), oldest first
+    self.back = []  # Groups, oldest first
     self.newer = None  # (labels, count) of the rows in `back`
 
   def push(self, groups: Groups) -> None:
-    """Adds an iteration's groups, dropping the oldest beyond `size`."""
+    """Adds a row, dropping the oldest beyond `size`."""
     if self.size == 0:
       return
     self.newer = (_join(*self.newer, groups.members, groups.inner)
