@@ -1,7 +1,9 @@
 """SDPipe's scheduler as it was first written: union-find, group lists.
 
 The oracle the vectorised `stalepipe.sync.grouping` is tested against,
-decision for decision (seed 002 §3.2-3.4).
+decision for decision (seed 002 §3.2-3.4), with Algorithm 2 as an event loop
+over the signals (`algorithm2`, §4's adaptive timeout included) and P counted
+in group-sync operations (`GroupClockScheduler`).
 """
 
 import collections
@@ -106,3 +108,67 @@ class Scheduler:
     self.past[stage].append(groups)
     self.groups[stage].append(groups)
     return groups, starts
+
+
+def algorithm2(ready, window, min_size=1):
+  """Seed 002 Algorithm 2 as an event loop over the signals in arrival
+  order: a group opens at the first waiting signal and takes every signal
+  until `window` after it; while it holds fewer than `min_size`, its timeout
+  grows to the next signal, one at a time (§4); it closes as soon as every
+  worker expected has joined."""
+  order = sorted(range(len(ready)), key=lambda i: (ready[i], i))
+  groups, starts, k = [], [], 0
+  while k < len(order):
+    deadline, members = ready[order[k]] + window, []
+    while k < len(order) and (ready[order[k]] <= deadline
+                              or len(members) < min_size):
+      if ready[order[k]] > deadline:
+        deadline = ready[order[k]]
+      members.append(order[k])
+      k += 1
+    groups.append(members)
+    starts.append(float(ready[members[-1]]) if k == len(order)
+                  else float(deadline))
+  return groups, starts
+
+
+class GroupClockScheduler:
+  """Seed 002 §3.2-3.4 with P counted in group-sync operations.
+
+  Each group of an iteration (`algorithm2`'s), in time order, is checked
+  with union-find against the last P - 1 groups formed at its stage and
+  waits for the next group while the graph is disconnected; an iteration's
+  last group is kept; a wait that would begin while another stage's
+  enforcement is waiting skips the rest of the iteration's validations.
+  """
+
+  def __init__(self, num_stages: int, history: int, window: float,
+               min_size: int = 1):
+    self.window, self.min_size = window, min_size
+    self.recent = [collections.deque(maxlen=history - 1)
+                   for _ in range(num_stages)]
+    self.waiting = {}
+    self.skipped = []
+
+  def decide(self, stage: int, iteration: int, ready: np.ndarray):
+    found, starts = algorithm2(ready, self.window, self.min_size)
+    out, out_starts, candidate = [], [], []
+    checking, begin = True, None
+    for j, (group, start) in enumerate(zip(found, starts)):
+      candidate = candidate + group
+      if checking and j + 1 < len(found) and sync_graph(
+          len(ready), list(self.recent[stage]) + [candidate]).components > 1:
+        if begin is None and any(s != stage and b <= start < e
+                                 for s, (b, e) in self.waiting.items()):
+          self.skipped.append((stage, iteration))
+          checking = False
+        else:
+          begin = start if begin is None else begin
+          continue
+      self.recent[stage].append(candidate)
+      out.append(candidate)
+      out_starts.append(start)
+      candidate = []
+    if begin is not None:
+      self.waiting[stage] = (begin, max(out_starts))
+    return out, out_starts

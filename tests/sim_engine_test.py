@@ -126,7 +126,9 @@ def test_compiled_schedule_equals_reference(name, M, kw):
 class OracleScheduler:
   """Today's union-find scheduler behind the vectorised one's interface."""
 
-  def __init__(self, num_stages, history, window, enforce=True):
+  def __init__(self, num_stages, history, window, enforce=True, min_size=1,
+               history_unit="iteration"):
+    assert (min_size, history_unit) == (1, "iteration")
     self.inner = sdpipe_oracle.Scheduler(num_stages, history, window, enforce)
     self.groups, self.skipped = self.inner.groups, self.inner.skipped
 
@@ -146,78 +148,134 @@ def test_sdpipe_run_equals_union_find_scheduler(history, window, monkeypatch):
       s, cluster(N, S), costs(S), sp.sim.sdpipe(history, window),
       perturbations=[sp.sim.hete("B")], seed=history)
   fast = run()
-  monkeypatch.setattr(sdpipe_sync, "Scheduler", OracleScheduler)
+  monkeypatch.setattr(sdpipe_sync.grouping, "Scheduler", OracleScheduler)
   slow = run()
   assert_same(fast, slow)
   assert fast.extras["sdpipe_skipped"] == slow.extras["sdpipe_skipped"]
 
 
-def test_scheduler_decides_as_union_find_on_random_ready_times():
-  rng = np.random.default_rng(0)
-  for trial in range(60):
-    N, S = int(rng.integers(1, 12)), int(rng.integers(1, 4))
+def decide_alike(rng, make_new, make_old, trials=60, max_workers=12):
+  """Two schedulers on the same random ready times (stages in random order
+  each iteration), decision for decision."""
+  for trial in range(trials):
+    N, S = int(rng.integers(1, max_workers)), int(rng.integers(1, 4))
     history, window = int(rng.integers(1, 6)), float(rng.uniform(0, 0.3))
-    new = grouping.Scheduler(S, history, window)
-    old = sdpipe_oracle.Scheduler(S, history, window)
+    new, old = make_new(S, history, window), make_old(S, history, window)
     for k in range(12):
       ready = rng.random((S, N)) + 0.2 * k
       for stage in rng.permutation(S).tolist():
         g_new, t_new = new.decide(stage, k, ready[stage])
         g_old, t_old = old.decide(stage, k, ready[stage])
-        assert [g.tolist() for g in g_new] == [g.tolist() for g in g_old], (
-            trial, k, stage)
+        assert [g.tolist() for g in g_new] == [
+            np.asarray(g).tolist() for g in g_old], (trial, k, stage)
         assert t_new == t_old
     assert new.skipped == old.skipped
 
 
-def test_components_equal_union_find():
+def test_scheduler_decides_as_union_find_on_random_ready_times():
+  decide_alike(np.random.default_rng(0), grouping.Scheduler,
+               sdpipe_oracle.Scheduler)
+
+
+@pytest.mark.parametrize("min_size", [2, 3])
+def test_scheduler_with_the_adaptive_timeout_decides_as_union_find(
+    min_size, monkeypatch):
+  """The union-find scheduler over Algorithm 2's event loop with §4's
+  growing timeout (`sdpipe_oracle.algorithm2`) decides as
+  `grouping.Scheduler`."""
+  algorithm2 = sdpipe_oracle.algorithm2
+  monkeypatch.setattr(sdpipe_oracle, "window_groups", lambda ready, window: (
+      [np.array(g) for g in algorithm2(ready, window, min_size)[0]],
+      algorithm2(ready, window, min_size)[1]))
+  decide_alike(np.random.default_rng(min_size),
+               lambda *a: grouping.Scheduler(*a, min_size=min_size),
+               sdpipe_oracle.Scheduler, trials=40)
+
+
+@pytest.mark.parametrize("min_size", [1, 2])
+def test_history_in_group_sync_operations_decides_as_union_find(min_size):
+  """P counted in groups (§3.2's clock k): `grouping.Scheduler` against
+  `sdpipe_oracle.GroupClockScheduler`, union-find over lists of groups."""
+  decide_alike(np.random.default_rng(10 + min_size),
+               lambda *a: grouping.Scheduler(*a, min_size=min_size,
+                                             history_unit="group"),
+               lambda *a: sdpipe_oracle.GroupClockScheduler(*a, min_size),
+               trials=40, max_workers=10)
+
+
+def random_groups(rng, N):
+  order = rng.permutation(N)
+  cuts = np.sort(rng.choice(np.arange(1, N), int(rng.integers(0, N)),
+                            replace=False))
+  sizes = np.diff(np.concatenate([[0], cuts, [N]]))
+  return grouping.Groups(order, np.concatenate([[0], np.cumsum(sizes)]))
+
+
+def test_sync_graph_components_equal_union_find_over_the_window():
+  """Components of the last `size` iterations' groups plus this one's, as
+  the window slides, against union-find over the same group lists."""
   rng = np.random.default_rng(1)
-  for _ in range(200):
-    R, N = int(rng.integers(1, 6)), int(rng.integers(1, 30))
-    rows = rng.integers(0, int(rng.integers(1, N + 1)), (R, N))
-    rows += (N * np.arange(R))[:, None]
-    comp, count = grouping.components(rows)
-    uf = sdpipe_oracle.sync_graph(
-        N, [np.flatnonzero(row == label) for row in rows
-            for label in np.unique(row)])
-    assert count == uf.components
-    for a, b in itertools.combinations(range(N), 2):
-      assert (comp[a] == comp[b]) == (uf.find(a) == uf.find(b))
+  for _ in range(40):
+    N, size = int(rng.integers(1, 30)), int(rng.integers(0, 6))
+    graph, rows = grouping.SyncGraph(size, N), []
+    for _ in range(15):
+      groups = random_groups(rng, N)
+      comp, count = graph.components(groups)
+      past = rows[max(0, len(rows) - size):] if size else []
+      uf = sdpipe_oracle.sync_graph(
+          N, [g for row in past + [groups] for g in row])
+      assert count == uf.components
+      assert comp.min() == 0 and comp.max() == count - 1
+      for a, b in itertools.combinations(range(N), 2):
+        assert (comp[a] == comp[b]) == (uf.find(a) == uf.find(b))
+      pushed = random_groups(rng, N) if rng.random() < 0.5 else groups
+      graph.push(pushed)
+      rows.append(pushed)
 
 
 def test_knowledge_equals_the_dense_matrix():
   """Row sums of know (today's N x N bookkeeping), with floors and reads of
-  versions older than the current one."""
+  versions older than the current one; stages given their groups as index
+  arrays, `grouping.Groups` and a `[pairs, 2]` array."""
   rng = np.random.default_rng(2)
+  S = 3
   for N, depth in ((1, 2), (5, 2), (6, 3), (7, 5), (20, 2)):
     B = 30
-    kept = np.ones(B + 1, bool)
-    fast = knowledge.Knowledge(N, B + 1, depth, kept)
-    grouped = knowledge.Knowledge(N, B + 1, depth, kept)  # grouping.Groups
-    know = np.zeros((N, N), np.int64)
+    fast = knowledge.Knowledge(S, N, B + 1, depth, np.ones((S, B + 1), bool))
+    know = np.zeros((S, N, N), np.int64)
     history = {0: know.copy()}
     for p in range(B):
-      version = int(rng.integers(max(0, p + 2 - depth), p + 1))
-      floor = rng.integers(0, 3, N) * int(rng.random() < 0.3)
-      want = np.maximum(history[version], floor[:, None]).sum(axis=1)
-      np.testing.assert_array_equal(fast.reflected(version, floor), want)
-      np.testing.assert_array_equal(grouped.reflected(version, floor), want)
-      kind = rng.integers(4)
-      if kind == 0:
-        found = ()
-      elif kind == 1:
-        found = (np.arange(N),)
-      else:
-        order = rng.permutation(N)
-        cuts = np.sort(rng.choice(np.arange(1, N), rng.integers(0, N) // 2,
-                                  replace=False)) if N > 1 else []
-        found = tuple(np.split(order, cuts))
-      fast.update(p, found)
-      sizes = [len(g) for g in found]
-      grouped.update(p, grouping.Groups(
-          np.concatenate(found) if found else np.zeros(0, int),
-          np.concatenate([[0], np.cumsum(sizes)]).astype(int)))
-      know[np.arange(N), np.arange(N)] = p + 1
-      for g in found:
-        know[g] = know[g].max(axis=0)
+      for s in range(S):
+        version = int(rng.integers(max(0, p + 2 - depth), p + 1))
+        floor = rng.integers(0, 3, N) * int(rng.random() < 0.3)
+        want = np.maximum(history[version][s], floor[:, None]).sum(axis=1)
+        np.testing.assert_array_equal(fast.reflected(s, version, floor), want)
+      given, found = [], []
+      for s in range(S):
+        kind = rng.integers(4)
+        if kind == 0:
+          groups = ()
+        elif kind == 1:
+          groups = (np.arange(N),)
+        else:
+          order = rng.permutation(N)
+          cuts = np.sort(rng.choice(np.arange(1, N), rng.integers(0, N) // 2,
+                                    replace=False)) if N > 1 else []
+          groups = tuple(np.split(order, cuts))
+        if s == 1 and groups:
+          sizes = [len(g) for g in groups]
+          given.append(grouping.Groups(np.concatenate(groups),
+                                       np.concatenate([[0], np.cumsum(sizes)])))
+        elif s == 2 and kind > 1:
+          pairs = rng.permutation(N)[:N // 2 * 2].reshape(-1, 2)
+          given.append(pairs)
+          groups = tuple(pairs)
+        else:
+          given.append(groups)
+        found.append(groups)
+      fast.update(p, given)
+      know[:, np.arange(N), np.arange(N)] = p + 1
+      for s in range(S):
+        for g in found[s]:
+          know[s, g] = know[s, g].max(axis=0)
       history[p + 1] = know.copy()

@@ -181,7 +181,8 @@ def test_ad_psgd_pairs_in_time_as_in_numbers():
                                     policy.mixing(stage, task.minibatch))
 
 
-def test_sdpipe_replays_the_simulated_groups():
+@pytest.mark.parametrize("min_size", [1, 3])
+def test_sdpipe_replays_the_simulated_groups(min_size):
   """SDPipe named once: the simulator's ready times drive the numeric side's
   scheduler to the groups the simulator formed."""
   N, B = 7, 30
@@ -189,11 +190,14 @@ def test_sdpipe_replays_the_simulated_groups():
                         num_minibatches=B)
   cluster = sp.sim.Cluster.grid(N, 1)
   costs = sp.sim.StageCosts.uniform(1, 0.01, 0.02, param_bytes=1e7)
-  timed = sp.sync.sdpipe(N, history=2, window=0.02)
+  timed = sp.sync.sdpipe(N, history=2, window=0.02, min_size=min_size)
   r = sp.sim.simulate(s, cluster, costs, timed,
                       perturbations=[sp.sim.Stragglers(0.3, 0.05)])
   replayed = sp.sync.sdpipe(N, history=2, window=0.02,
-                            ready_times=r.ready_times)
+                            ready_times=r.ready_times, min_size=min_size)
+  sizes = [len(g) for groups in r.extras["sdpipe_groups"][0]
+           for g in list(groups)[:-1]]  # an iteration's last takes who is left
+  assert min(sizes) >= min_size and (min_size > 1 or min(sizes) == 1)
   for p in range(B):
     np.testing.assert_array_equal(
         replayed.mixing(0, p),

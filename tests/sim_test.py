@@ -6,6 +6,7 @@ import json
 import numpy as np
 import pytest
 
+import sdpipe_oracle
 import stalepipe as sp
 from stalepipe.sim import policy as policy_lib
 from stalepipe.sync import grouping
@@ -270,6 +271,35 @@ def test_window_groups_brute_force():
     assert [set(g.tolist()) for g in groups] == expected
     for g, t in zip(groups, starts):
       assert t >= ready[g].max()
+
+
+@pytest.mark.parametrize("min_size", [1, 2, 3, 5])
+def test_window_groups_follow_algorithm_2_with_the_adaptive_timeout(min_size):
+  rng = np.random.default_rng(min_size)
+  for _ in range(200):
+    n = int(rng.integers(1, 12))
+    ready = np.round(rng.random(n), 1 if rng.random() < 0.3 else 6)  # ties
+    window = float(rng.choice([0.0, rng.random() * 0.3, np.inf]))
+    groups, starts = grouping.window_groups(ready, window, min_size)
+    want_groups, want_starts = sdpipe_oracle.algorithm2(ready, window,
+                                                        min_size)
+    assert [g.tolist() for g in groups] == want_groups
+    assert starts == want_starts
+
+
+def test_sdpipe_options_are_checked_on_both_sides():
+  with pytest.raises(ValueError, match="min_size=0 is invalid; it must be an "
+                     "integer >= 1"):
+    sp.sim.sdpipe(10, 0.01, min_size=0)
+  with pytest.raises(ValueError, match="min_size=1.5 is invalid"):
+    sp.sync.sdpipe(4, 10, 0.01, min_size=1.5)
+  with pytest.raises(ValueError, match="history=0 is invalid"):
+    sp.sync.sdpipe(4, 0)
+  with pytest.raises(ValueError, match="window=-1 is invalid"):
+    sp.sim.sdpipe(10, -1)
+  with pytest.raises(ValueError, match="history_unit='groups' is invalid; "
+                     "valid: iteration, group"):
+    sp.sync.sdpipe(4, history_unit="groups")
 
 
 def connected_bfs(n, groups):

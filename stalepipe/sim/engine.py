@@ -226,13 +226,13 @@ def simulate(schedule: core.Schedule, cluster: cluster_lib.Cluster,
   local_end = np.zeros((S, B, N))
   gate = np.full((S, B), -np.inf)
   depth = int((np.arange(1, B + 1)[None] - plan.backward_version).max()) + 1
-  know = []
-  for s in range(S):  # versions a backward reads after a newer one is in
-    kept = np.zeros(B + 1, bool)
-    kept[plan.backward_version[s][plan.backward_version[s] < np.arange(B)]] = True
-    know.append(knowledge_lib.Knowledge(N, B + 1, depth, kept))
-  syncs = _Syncs(runner, know, reflected=np.zeros((S, B, N), dtype=np.int64),
-                 comm=[])
+  kept = np.zeros((S, B + 1), bool)  # versions a backward reads after a
+  for s in range(S):  # newer one is in
+    kept[s, plan.backward_version[s][plan.backward_version[s] < np.arange(B)]
+         ] = True
+  syncs = _Syncs(runner, knowledge_lib.Knowledge(S, N, B + 1, depth, kept),
+                 reflected=np.zeros((S, B, N), dtype=np.int64), comm=[],
+                 pending={})
   rows = _rows(walk.window, N)
   wait, last_end = _walk(walk, rows, delay, scale, update, applied, local_end,
                          gate, syncs)
@@ -317,9 +317,26 @@ class _Syncs(NamedTuple):
   staleness and the exchanges (absent when replaying recorded syncs)."""
 
   runner: policy_lib.Runner
-  know: list  # [S] knowledge.Knowledge
-  reflected: np.ndarray  # [S, B, N] int
+  know: knowledge_lib.Knowledge
+  reflected: np.ndarray  # [S, B, N] int: the policy's floor until observed
   comm: list  # (stage, CommEvent)
+  pending: dict  # minibatch -> {stage: groups} not yet merged into `know`
+
+
+def _observe(syncs: _Syncs, backward_version: np.ndarray, stage: int,
+             minibatch: int, groups) -> None:
+  """Records a stage's groups; once every stage has synced the next
+  minibatch, its staleness is read and the groups merged, all stages at
+  once (observed staleness never feeds back into time)."""
+  syncs.pending.setdefault(minibatch, {})[stage] = groups
+  know, S = syncs.know, len(backward_version)
+  while len(syncs.pending.get(know.version, ())) == S:
+    p = know.version
+    synced = syncs.pending.pop(p)
+    for s in range(S):
+      syncs.reflected[s, p] = know.reflected(s, backward_version[s, p],
+                                             syncs.reflected[s, p])
+    know.update(p, [synced[s] for s in range(S)])
 
 
 def _walk(walk: _Walk, rows: _Rows, delay, scale, update, applied, local_end,
@@ -379,10 +396,10 @@ def _walk(walk: _Walk, rows: _Rows, delay, scale, update, applied, local_end,
       continue
     out = syncs.runner.sync(s, p, e)
     maximum(out.applied, applied[s, p], out=applied[s, p + 1])
-    floor = syncs.runner.floor(s, start[walk.first_row[s, p]])
-    syncs.reflected[s, p] = syncs.know[s].reflected(
-        walk.plan.backward_version[s, p], floor)
-    syncs.know[s].update(p, out.groups)
+    if syncs.runner.floors:
+      syncs.reflected[s, p] = syncs.runner.floor(s,
+                                                 start[walk.first_row[s, p]])
+    _observe(syncs, walk.plan.backward_version, s, p, out.groups)
     syncs.comm.extend((s, c) for c in out.comm)
   last = np.max([end[(np.flatnonzero(walk.plan.stage == s)[-1]) % R]
                  for s in range(S)], axis=0)

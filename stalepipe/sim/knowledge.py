@@ -25,89 +25,98 @@ References:
 
 import numpy as np
 
-_FOLD = 4  # groups up to this size are merged column by column
-
 
 class Knowledge:
-  """`know` of one stage: its current value and the versions still read.
+  """`know` of every stage: its current value and the versions still read.
+
+  Every stage moves to the next version together (`update` takes each
+  stage's groups of one iteration). Each stage's groups merge in one gather
+  per width of its own: one gather over every stage's matrix at once is no
+  faster at 256 replicas and outgrows the cache at 1,024.
 
   Args:
+    num_stages: S.
     num_replicas: N.
-    num_versions: versions the run reaches (B + 1); the dense matrix is
+    num_versions: versions the run reaches (B + 1); the dense matrices are
       int16 when they fit, int32 otherwise.
     depth: how many versions back a read may reach.
-    kept: `[num_versions]` whether a later read needs that version after a
+    kept: `[S, num_versions]` whether a later read needs that version after a
       newer one is in place (an asynchronous schedule's backward); only
       those are copied aside, for `depth` versions.
 
   Examples:
-    >>> k = Knowledge(num_replicas=3, num_versions=3)
-    >>> k.update(0, [np.array([0, 1])])   # iteration 0: replicas 0, 1 average
-    >>> k.reflected(1, np.zeros(3, int)).tolist()
+    >>> k = Knowledge(num_stages=1, num_replicas=3, num_versions=3)
+    >>> k.update(0, [[np.array([0, 1])]])  # iteration 0: replicas 0, 1 average
+    >>> k.reflected(0, 1, np.zeros(3, int)).tolist()
     [2, 2, 1]
-    >>> k.update(1, [np.arange(3)])       # iteration 1: everyone
-    >>> k.reflected(2, np.zeros(3, int)).tolist()
+    >>> k.update(1, [[np.arange(3)]])      # iteration 1: everyone
+    >>> k.reflected(0, 2, np.zeros(3, int)).tolist()
     [6, 6, 6]
   """
 
-  def __init__(self, num_replicas: int, num_versions: int, depth: int = 1,
-               kept: np.ndarray | None = None):
+  def __init__(self, num_stages: int, num_replicas: int, num_versions: int,
+               depth: int = 1, kept: np.ndarray | None = None):
     self.n, self.depth = num_replicas, depth
     self.dtype = np.int16 if num_versions <= np.iinfo(np.int16).max else (
         np.int32)
     # Row sums are at most N * num_versions: int32 sums run twice as fast.
     self.sum_dtype = (np.int32 if num_replicas * num_versions
                       <= np.iinfo(np.int32).max else np.int64)
-    self.kept = np.zeros(num_versions, bool) if kept is None else kept
-    self.version = 0  # the version the current value belongs to
-    self.common = 0  # the off-diagonal count while uniform
-    self.dense = None  # [N, N] once a group has left some replicas out
-    self.sums = None  # [N] the dense matrix's row sums
-    self.saved = {}  # version -> common count, or a copy of the matrix
+    self.kept = (np.zeros((num_stages, num_versions), bool) if kept is None
+                 else kept)
+    self.version = 0  # the version the current values belong to
+    self.common = [0] * num_stages  # each stage's off-diagonal count, uniform
+    self.is_dense = [False] * num_stages  # once a group left some out
+    self.dense = None  # [S, N, N] where `is_dense`, allocated on first use
+    self.sums = None  # [S, N] the dense matrices' row sums
+    self.saved = {}  # (stage, version) -> common count, or a matrix copy
 
-  def update(self, iteration: int, groups) -> None:
-    """Every replica adds its own update, then `groups` average.
+  def update(self, iteration: int, groups: list) -> None:
+    """Every replica adds its own update, then each stage's groups average.
 
     Args:
       iteration: p, the current version; afterwards it is `p + 1` and every
         diagonal entry is `p + 1`.
-      groups: disjoint index arrays, a `[groups, size]` array or
+      groups: per stage, disjoint index arrays, a `[groups, size]` array or
         `grouping.Groups`.
     """
-    if self.kept[self.version]:
-      self.saved[self.version] = (self.common if self.dense is None
-                                  else self.dense.copy())
+    n, old = self.n, self.version
     own = self.version = iteration + 1
-    self.saved.pop(own - self.depth, None)
-    if len(groups) == 1 and len(groups[0]) == self.n:  # all average
-      self.common, self.dense = own, None
-      return
-    if hasattr(groups, "offsets"):  # grouping.Groups: merged in one pass
-      runs, blocks = _runs(groups), []
-    else:
-      runs, blocks = None, _blocks(groups)
-    if self.dense is not None:
-      self.sums += 1  # the diagonal, from p to p + 1
-    elif runs or blocks:
-      self.dense = np.full((self.n, self.n), self.common, self.dtype)
-      self.sums = np.full(self.n, (self.n - 1) * self.common + own,
-                          self.sum_dtype)
-    else:
-      return
-    self.dense.flat[::self.n + 1] = own
-    if runs:
-      _merge_runs(self.dense, self.sums, *runs)
-    for block in blocks:
-      _merge(self.dense, self.sums, block)
+    for s, found in enumerate(groups):
+      if self.kept[s, old]:
+        self.saved[s, old] = (self.dense[s].copy() if self.is_dense[s]
+                              else self.common[s])
+      self.saved.pop((s, own - self.depth), None)
+      if len(found) == 1 and len(found[0]) == n:  # all average
+        self.common[s], self.is_dense[s] = own, False
+        continue
+      mine = _blocks(found)
+      if self.is_dense[s]:
+        self.sums[s] += 1  # the diagonal, from p to p + 1
+      elif not mine:
+        continue
+      else:
+        if self.dense is None:
+          self.dense = np.empty((len(groups), n, n), self.dtype)
+          self.sums = np.empty((len(groups), n), self.sum_dtype)
+        self.dense[s] = self.common[s]
+        self.sums[s] = (n - 1) * self.common[s] + own
+        self.is_dense[s] = True
+      self.dense[s].flat[::n + 1] = own
+      for _, rows in mine:
+        _merge(self.dense[s], self.sums[s], rows)
 
-  def reflected(self, version: int, floor: np.ndarray) -> np.ndarray:
-    """`[N]` updates reflected by weights of `version` under `floor` `[N]`."""
+  def reflected(self, stage: int, version: int, floor: np.ndarray
+                ) -> np.ndarray:
+    """`[N]` updates reflected by `stage`'s weights of `version` under
+    `floor` `[N]`."""
     if version == self.version:
-      if self.dense is not None and not floor.any():
-        return self.sums.copy()
-      read = self.common if self.dense is None else self.dense
+      if self.is_dense[stage] and not floor.any():
+        return self.sums[stage].copy()
+      read = self.dense[stage] if self.is_dense[stage] else (
+          self.common[stage])
     else:
-      read = self.saved[version]
+      read = self.saved[stage, version]
     if np.isscalar(read):
       if not floor.any():
         return np.full(self.n, version + (self.n - 1) * read, np.int64)
@@ -118,66 +127,46 @@ class Knowledge:
     return read.sum(axis=1, dtype=self.sum_dtype)
 
 
-def _runs(groups) -> tuple | None:
-  """`(members, heads, sizes)` of a `grouping.Groups`' groups of two or
-  more: their members group after group, where each group begins and its
-  size; None when there are none."""
-  sizes = groups.sizes
-  multi = sizes > 1
-  if not multi.any():
-    return None
-  if multi.all():
-    return groups.members, groups.offsets[:-1], sizes
-  kept = sizes[multi]
-  heads = np.zeros(len(kept), np.int64)
-  np.cumsum(kept[:-1], out=heads[1:])
-  return groups.members[np.repeat(multi, sizes)], heads, kept
+def _blocks(groups) -> list[tuple[int, np.ndarray]]:
+  """The groups of two or more as `(width, rows [width, groups])` blocks.
 
-
-def _merge_runs(know: np.ndarray, sums: np.ndarray, members: np.ndarray,
-                heads: np.ndarray, sizes: np.ndarray) -> None:
-  """The rows of each group (`members[heads[g]:heads[g] + sizes[g]]`)
-  become their maximum; `sums` `[N]`, the row sums, follow.
-
-  Groups of sizes in `(w/2, w]` are padded to `w` rows by repeating their
-  last member and merged in one gather (at most twice the rows; NumPy's
-  row-wise `maximum.reduceat` is several times slower).
-  """
-  widths = np.left_shift(1, np.ceil(np.log2(sizes)).astype(np.int64))
-  for width in np.unique(widths).tolist():
-    mine = widths == width
-    last = (sizes[mine] - 1)[:, None]
-    rows = members[heads[mine][:, None] + np.minimum(np.arange(width), last)]
-    merged = know[rows].max(axis=1)
-    know[rows] = merged[:, None]
-    sums[rows] = merged.sum(axis=1, dtype=sums.dtype)[:, None]
-
-
-def _blocks(groups) -> list[np.ndarray]:
-  """The groups of two or more, as one `[groups, size]` array per size.
-
-  Takes a `[groups, size]` array or index arrays.
+  Takes `grouping.Groups`, a `[groups, size]` array or index arrays. Groups
+  of sizes in `(w/2, w]` are padded to `w` rows by repeating their last
+  member (at most twice the rows, one gather per width).
   """
   if isinstance(groups, np.ndarray):
-    return [groups] if groups.ndim == 2 and groups.size and (
-        groups.shape[1] > 1) else []
-  by_size = {}
-  for g in groups:
-    if len(g) > 1:
-      by_size.setdefault(len(g), []).append(g)
-  return [np.stack(same) for same in by_size.values()]
-
-
-def _merge(know: np.ndarray, sums: np.ndarray, groups: np.ndarray) -> None:
-  """The rows of each group (`[groups, size]`) become their maximum; `sums`
-  `[N]`, the row sums, follow."""
-  if groups.shape[1] <= _FOLD:  # a few row gathers beat one 3-D gather
-    merged = know[groups[:, 0]]
-    for c in range(1, groups.shape[1]):
-      np.maximum(merged, know[groups[:, c]], out=merged)
+    return ([(groups.shape[1], groups.T)] if groups.ndim == 2
+            and groups.size and groups.shape[1] > 1 else [])
+  if hasattr(groups, "offsets"):  # grouping.Groups
+    members, heads, sizes = groups.members, groups.offsets[:-1], groups.sizes
   else:
-    merged = know[groups].max(axis=1)
-  total = merged.sum(axis=1, dtype=sums.dtype)
-  for c in range(groups.shape[1]):
-    know[groups[:, c]] = merged
-    sums[groups[:, c]] = total
+    sizes = np.array([len(g) for g in groups], np.int64)
+    members = (np.concatenate(groups) if len(groups)
+               else np.zeros(0, np.int64))
+    heads = np.cumsum(sizes) - sizes
+  multi = sizes > 1
+  if not multi.any():
+    return []
+  heads, sizes = heads[multi], sizes[multi]
+  log = np.ceil(np.log2(sizes)).astype(np.int64)
+  out = []
+  for c in np.flatnonzero(np.bincount(log)).tolist():
+    mine = log == c
+    pad = np.minimum(np.arange(1 << c)[:, None], sizes[mine] - 1)
+    out.append((1 << c, members[heads[mine] + pad]))
+  return out
+
+
+def _merge(know: np.ndarray, sums: np.ndarray, rows: np.ndarray) -> None:
+  """The rows of each group (`rows[:, g]`) become their maximum; `sums`
+  `[N]`, the row sums, follow.
+
+  One gather of `[width, groups, N]`, folded in halves (NumPy's row-wise
+  `maximum.reduceat`, or a maximum over the middle axis, is several times
+  slower).
+  """
+  block = know[rows]
+  while len(block) > 1:
+    block = np.maximum(block[:len(block) // 2], block[len(block) // 2:])
+  know[rows] = block[0]
+  sums[rows] = block[0].sum(axis=1, dtype=sums.dtype)

@@ -102,6 +102,7 @@ class Runner:
   """One simulation's policy state; the default never syncs."""
 
   gates = False  # whether `gate` can delay a minibatch
+  floors = False  # whether `floor` can be above zero
 
   def __init__(self, ctx: Context):
     self.ctx = ctx

@@ -29,44 +29,46 @@ import math
 
 import numpy as np
 
+from stalepipe.sim import cluster as cluster_lib
 from stalepipe.sim import policy
-from stalepipe.sync.grouping import Scheduler
+from stalepipe.sync import grouping
 
 
 class _SDPipeRunner(policy.Runner):
 
-  def __init__(self, ctx, history, window, enforce=True):
+  def __init__(self, ctx, scheduler):
     super().__init__(ctx)
-    self.scheduler = Scheduler(ctx.cluster.num_stages, history, window,
-                               enforce)
+    self.scheduler = scheduler
     self.nodes = ctx.cluster.nodes.T  # [S, N]
+    # [S, 2, N + 1]: a group's averaging by its size, across nodes and
+    # within one.
+    self.seconds = np.array([[[0.0] + [
+        cluster_lib.ring_allreduce_seconds(b, n, link)
+        for n in range(1, ctx.num_pipelines + 1)]
+                              for link in (ctx.cluster.inter,
+                                           ctx.cluster.intra)]
+                             for b in ctx.costs.param_bytes])
 
   def sync(self, stage, minibatch, ready):
     groups, starts = self.scheduler.decide(stage, minibatch, ready)
-    sizes, offsets, members = groups.sizes, groups.offsets, groups.members
-    starts = np.asarray(starts)
-    nodes = self.nodes[stage][members]
-    heads = offsets[:-1]
-    one_node = (np.minimum.reduceat(nodes, heads)
-                == np.maximum.reduceat(nodes, heads))
-    ctx = self.ctx
-    bandwidth = np.where(one_node, ctx.cluster.intra.bandwidth,
-                         ctx.cluster.inter.bandwidth)
-    latency = np.where(one_node, ctx.cluster.intra.latency,
-                       ctx.cluster.inter.latency)
-    # cluster.ring_allreduce_seconds, one group per entry.
-    seconds = (2 * (sizes - 1) / sizes * ctx.costs.param_bytes[stage]
-               / bandwidth + 2 * (sizes - 1) * latency)
+    sizes, members = groups.sizes, groups.members
+    finish = np.array(starts)  # a lone worker is done when its window closes
     multi = sizes > 1
-    finish = np.where(multi, starts + seconds, starts)
-    applied = ready.copy()
-    applied[members] = np.repeat(finish, sizes)
-    averaging = np.repeat(multi, sizes)
     comm = ()
     if multi.any():
-      comm = (policy.CommEvent(members[averaging],
-                               np.repeat(starts[multi], sizes[multi]),
-                               np.repeat(finish[multi], sizes[multi])),)
+      together = members[np.repeat(multi, sizes)]
+      counts = sizes[multi]
+      heads = np.cumsum(counts) - counts
+      nodes = self.nodes[stage][together]
+      one_node = (np.minimum.reduceat(nodes, heads)
+                  == np.maximum.reduceat(nodes, heads))
+      begin = finish[multi]
+      end = begin + self.seconds[stage][one_node.astype(np.intp), counts]
+      finish[multi] = end
+      comm = (policy.CommEvent(together, np.repeat(begin, counts),
+                               np.repeat(end, counts)),)
+    applied = np.empty_like(ready)
+    applied[members] = np.repeat(finish, sizes)
     return policy.SyncOutcome(applied, groups, comm)
 
   def extras(self):
@@ -84,6 +86,11 @@ class SDPipe:
     window: T in seconds, how long a group stays open (seed 002 §5.1 uses
       1/N of the iteration time); `math.inf` degrades to all-reduce.
     enforce: validate connectivity (§3.4); off, replicas may drift apart.
+    min_size: §4's adaptive timeout: a window that closes with fewer ready
+      workers is enlarged until this many joined (1: T fixed;
+      `grouping.window_groups`).
+    history_unit: what P counts, "iteration" or "group" (group-sync
+      operations, §3.2's clock k; `grouping.Scheduler`).
 
   References:
     Miao et al, SDPipe: A Semi-Decentralized Framework for Heterogeneity-aware
@@ -94,22 +101,23 @@ class SDPipe:
   history: int
   window: float
   enforce: bool = True
+  min_size: int = 1
+  history_unit: str = "iteration"
   name = "sdpipe"
 
   def __post_init__(self):
-    if not isinstance(self.history, int) or self.history < 1:
-      raise ValueError(f"history={self.history!r} is invalid; it must be an "
-                       "integer >= 1")
-    if not self.window >= 0:
-      raise ValueError(f"window={self.window!r} is invalid; it must be >= 0 "
-                       "seconds")
+    grouping.check(self.history, self.window, self.min_size,
+                   self.history_unit)
 
   def start(self, ctx: policy.Context) -> policy.Runner:
-    return _SDPipeRunner(ctx, self.history, self.window, self.enforce)
+    return _SDPipeRunner(ctx, grouping.Scheduler(
+        ctx.cluster.num_stages, self.history, self.window, self.enforce,
+        self.min_size, self.history_unit))
 
 
 def sdpipe(history: int = 10, window: float = math.inf,
-           enforce: bool = True) -> SDPipe:
+           enforce: bool = True, min_size: int = 1,
+           history_unit: str = "iteration") -> SDPipe:
   """SDPipe with connectivity budget P=`history` and window T=`window` seconds.
 
   Time only; `stalepipe.sync.sdpipe(N, history, window)` is the same policy
@@ -119,7 +127,8 @@ def sdpipe(history: int = 10, window: float = math.inf,
     >>> sdpipe(10, 0.05).window
     0.05
   """
-  return SDPipe(history, window, enforce)
+  return SDPipe(history, window, enforce, min_size, history_unit)
 
 
-policy.TIME_SIDES["sdpipe"] = lambda p: SDPipe(p.history, p.window, p.enforce)
+policy.TIME_SIDES["sdpipe"] = lambda p: SDPipe(
+    p.history, p.window, p.enforce, p.min_size, p.history_unit)

@@ -49,6 +49,7 @@ def required_wave(minibatch: int, concurrent_minibatches: int,
 
 class _WSPRunner(policy.Runner):
   gates = True
+  floors = True
 
   def __init__(self, ctx, clock_distance, wave):
     super().__init__(ctx)

@@ -13,8 +13,9 @@ a group, must stay connected (Assumption 1, §3.3): when this iteration's
 groups would break it, the scheduler makes the earliest group that bridges
 two components wait for the next group and merges them, until the graph is
 connected (§3.4, group validation; §4 tracks components with union-find,
-here parallel union-find in NumPy over the last P iterations' group labels,
-and one scan in time order finds every merge). Deadlock prevention (§3.4):
+here `SyncGraph`: a union-find over component labels, the P-iteration
+window sliding as a queue of two stacks, and the merges are the first group
+of each component in time order). Deadlock prevention (§3.4):
 an enforcement on one stage may not begin while an enforcement on another
 stage is still waiting; such a validation is skipped for the iteration and
 counted.
@@ -23,6 +24,7 @@ AD-PSGD (Lian et al. 2018): each iteration a random matching into pairs.
 """
 
 import collections.abc
+import functools
 
 import numpy as np
 
@@ -57,6 +59,13 @@ class Groups(collections.abc.Sequence):
   def sizes(self) -> np.ndarray:
     return np.diff(self.offsets)
 
+  @functools.cached_property
+  def inner(self) -> np.ndarray:
+    """`[N]` whether member `k` shares its group with member `k + 1`."""
+    inner = np.ones(len(self.members), bool)
+    inner[self.offsets[1:] - 1] = False
+    return inner
+
   def labels(self, num_workers: int) -> np.ndarray:
     """`[N]` the group of each worker."""
     out = np.empty(num_workers, np.int64)
@@ -64,12 +73,16 @@ class Groups(collections.abc.Sequence):
     return out
 
 
-def window_groups(ready: np.ndarray, window: float) -> tuple[Groups, list]:
+def window_groups(ready: np.ndarray, window: float, min_size: int = 1
+                  ) -> tuple[Groups, list]:
   """Groups of workers whose ready signals fall within `window` of the first.
 
   Algorithm 2 of seed 002: a group opens at the earliest waiting signal and
   closes `window` seconds later, or as soon as every worker still expected has
-  joined.
+  joined. With `min_size` > 1, §4's adaptive timeout: a window that closes
+  with fewer than `min_size` workers is enlarged until the `min_size`-th
+  joins (and closes then); the paper enlarges it "slightly" and gives no
+  threshold, so `min_size=1` (the default) keeps `T` fixed.
 
   Returns:
     `(groups, starts)`: the members of each group in time order, and when its
@@ -79,139 +92,228 @@ def window_groups(ready: np.ndarray, window: float) -> tuple[Groups, list]:
     >>> g, t = window_groups(np.array([0.0, 0.05, 1.0, 1.2]), 0.1)
     >>> [x.tolist() for x in g], t
     ([[0, 1], [2], [3]], [0.1, 1.1, 1.2])
+    >>> g, t = window_groups(np.array([0.0, 0.05, 1.0, 1.2, 1.25]), 0.1, 2)
+    >>> [x.tolist() for x in g], t
+    ([[0, 1], [2, 3], [4]], [0.1, 1.2, 1.25])
   """
   order = np.argsort(ready, kind="stable")
   times = ready[order]
   n = len(order)
-  closes = (times + window).tolist()
-  after = np.searchsorted(times, times + window, side="right").tolist()
-  firsts, starts = [], []
-  i = 0
+  after = np.searchsorted(times, times + window, side="right")
+  grown = None
+  if min_size > 1:  # the min_size-th signal from each one, and its ties
+    enough = np.searchsorted(times, times[np.minimum(np.arange(n) + min_size,
+                                                     n) - 1], side="right")
+    grown = enough > after
+    after = np.maximum(after, enough)
+  nexts, firsts, i = after.tolist(), [], 0
   while i < n:
-    j = after[i]
     firsts.append(i)
-    starts.append(float(times[j - 1]) if j == n else closes[i])
-    i = j
-  firsts.append(n)
-  return Groups(order, np.array(firsts)), starts
+    i = nexts[i]
+  heads = np.array(firsts, np.int64)
+  starts = times[heads] + window
+  if grown is not None:  # an enlarged window closes as its last member joins
+    late = heads[grown[heads]]
+    starts[grown[heads]] = times[after[late] - 1]
+  starts[-1:] = times[-1:]  # the last group holds every worker still expected
+  return Groups(order, np.append(heads, n)), starts.tolist()
 
 
-def components(labels: np.ndarray) -> tuple[np.ndarray, int]:
-  """Components of the graph joining workers that share a label in any row.
+def _join(labels: np.ndarray, count: int, members: np.ndarray,
+          inner: np.ndarray) -> tuple[np.ndarray, int]:
+  """Components of `labels` (`[N]` in `[0, count)`) joined with groups.
 
-  Each group is a path through its members (the edges); every round hooks
-  the root of each edge's endpoints to the smaller of the two and then
-  jumps pointers until every worker points at a root, as parallel
-  union-find does (Shiloach and Vishkin, An O(log n) parallel connectivity
-  algorithm, 1982): a few NumPy passes over the edges however long the sync
-  graph's paths grow.
-
-  Args:
-    labels: `[rows, N]` non-negative ints, distinct across rows (each row a
-      partition of the workers, e.g. one iteration's groups).
+  The groups are runs of `members` (`inner[k]`: members `k` and `k + 1`
+  share one, as `Groups.inner`); only pairs whose labels differ are edges,
+  between labels, so the union-find runs over the few components rather
+  than the workers.
 
   Returns:
-    `(component [N], count)`: equal ids for workers of one component.
+    `(labels [N], count)`: labels in `[0, count)`, ordered as their smallest
+    old label.
+  """
+  a = labels[members]
+  cross = a[:-1] != a[1:]
+  cross &= inner[:-1]
+  edges = np.flatnonzero(cross).tolist()
+  if not edges:
+    return labels, count
+  a = a.tolist()
+  parent = list(range(count))  # each label's parent is a smaller label
+  for k in edges:
+    x, y = a[k], a[k + 1]
+    while parent[x] != x:
+      parent[x] = parent[parent[x]]
+      x = parent[x]
+    while parent[y] != y:
+      parent[y] = parent[parent[y]]
+      y = parent[y]
+    if x < y:
+      parent[y] = x
+    elif y < x:
+      parent[x] = y
+  rank, count = parent, 0  # roots numbered in order, others as their root
+  for c, up in enumerate(parent):
+    if up == c:
+      rank[c] = count
+      count += 1
+    else:
+      rank[c] = rank[up]
+  return np.array(rank)[labels], count
+
+
+class SyncGraph:
+  """The sync graph of one stage's last `size` rows (seed 002 §3.3): a row
+  is the groups of one iteration (or one group, `Scheduler`'s
+  `history_unit`), and the graph's edges join the members of each group.
+
+  Its components, with one more row, are a union-find over component labels
+  rather than workers: the window slides as a queue of two stacks, the older
+  rows each joined with the rows after it up to the end of their stack, the
+  newer ones joined as they come, so each row is joined about three times
+  whatever `size` is.
 
   Examples:
-    >>> c, n = components(np.array([[0, 0, 1, 2], [3, 4, 5, 5]]))
-    >>> c.tolist(), n
-    ([0, 0, 2, 2], 2)
+    >>> g = SyncGraph(2, 4)
+    >>> g.push(Groups(np.array([0, 1, 2, 3]), np.array([0, 2, 3, 4])))
+    >>> labels, count = g.components(
+    ...     Groups(np.array([1, 2, 0, 3]), np.array([0, 2, 3, 4])))
+    >>> labels.tolist(), count
+    ([0, 0, 0, 1], 2)
   """
-  N = labels.shape[1]
-  order = np.argsort(labels, axis=None, kind="stable")
-  ranked = labels.ravel()[order]
-  same = ranked[1:] == ranked[:-1]
-  u, v = order[:-1][same] % N, order[1:][same] % N
-  comp = np.arange(N)
-  while True:
-    cu, cv = comp[u], comp[v]
-    low = np.minimum(cu, cv)
-    new = comp.copy()
-    np.minimum.at(new, cu, low)
-    np.minimum.at(new, cv, low)
-    while True:
-      jumped = new[new]
-      if np.array_equal(jumped, new):
-        break
-      new = jumped
-    if np.array_equal(new, comp):
-      break
-    comp = new
-  return comp, int(np.count_nonzero(comp == np.arange(N)))
+
+  def __init__(self, size: int, num_workers: int):
+    self.size, self.n = size, num_workers
+    self.front = []  # (labels, count): oldest last, each joined to newer
+    self.back = []  # Groups, oldest first
+    self.newer = None  # (labels, count) of the rows in `back`
+
+  def push(self, groups: Groups) -> None:
+    """Adds a row, dropping the oldest beyond `size`."""
+    if self.size == 0:
+      return
+    self.newer = (_join(*self.newer, groups.members, groups.inner)
+                  if self.newer else (groups.labels(self.n), len(groups)))
+    self.back.append(groups)
+    if len(self.front) + len(self.back) <= self.size:
+      return
+    if not self.front:
+      *rest, last = self.back
+      joined = (last.labels(self.n), len(last))
+      self.front = [joined]
+      for row in reversed(rest):
+        joined = _join(*joined, row.members, row.inner)
+        self.front.append(joined)
+      self.back, self.newer = [], None
+    self.front.pop()
+
+  def components(self, groups: Groups) -> tuple[np.ndarray, int]:
+    """`(labels [N], count)` of the graph plus `groups`' edges."""
+    if not self.front:
+      if self.newer:
+        return _join(*self.newer, groups.members, groups.inner)
+      return groups.labels(self.n), len(groups)
+    labels, count = self.front[-1]
+    if not self.newer:
+      return _join(labels, count, groups.members, groups.inner)
+    newer = self.newer[0]  # its components as groups, then `groups`
+    order = np.argsort(newer, kind="stable")
+    ranked = newer[order]
+    inner = np.empty(2 * self.n, bool)
+    np.equal(ranked[1:], ranked[:-1], out=inner[:self.n - 1])
+    inner[self.n - 1] = False
+    inner[self.n:] = groups.inner
+    return _join(labels, count, np.concatenate([order, groups.members]),
+                 inner)
 
 
-def enforce(groups: Groups, starts: list, history: np.ndarray,
-            num_workers: int) -> tuple[Groups, list, float | None]:
-  """Merges groups in time order until `history + groups` is connected.
+def enforce(groups: Groups, graph: SyncGraph) -> list[int]:
+  """The groups that must wait for their predecessor so that `graph` plus
+  `groups` is connected.
 
-  The earliest group that does not share a component with the next one waits
-  for it (seed 002 §3.4: "wait for more ready workers and re-generate the
-  group").
+  In time order, the earliest group that does not share a component with
+  the next one waits for it and they merge (seed 002 §3.4: "wait for more
+  ready workers and re-generate the group"). Once merged, the groups seen
+  so far are one component, so a group merges into its predecessor exactly
+  when it is the first of its component.
 
   Args:
     groups: this iteration's groups, in time order.
-    starts: when each group's averaging starts.
-    history: `[P - 1, N]` the group labels (`Groups.labels`) of the
-      previous iterations, one row each.
-    num_workers: N, the replicas of the stage.
+    graph: the sync graph of the previous iterations.
 
   Returns:
-    `(groups, starts, waited_from)`: `waited_from` is the original start of
-    the earliest group that had to wait, None when none did.
+    The indices of the groups that merge into the one before, increasing;
+    empty when the graph is connected.
 
   Examples:
-    >>> g, _ = window_groups(np.array([0.0, 1.0]), 0.1)
-    >>> g, t, w = enforce(g, [0.0, 1.0], np.zeros((0, 2), int), 2)
-    >>> [x.tolist() for x in g], t, w
-    ([[0, 1]], [1.0], 0.0)
+    >>> g, _ = window_groups(np.array([0.0, 1.0, 1.05]), 0.1)
+    >>> enforce(g, SyncGraph(0, 3))
+    [1]
   """
-  sizes = groups.sizes
-  if (sizes == num_workers).any():
-    return groups, starts, None
-  rows = np.concatenate([history, groups.labels(num_workers)[None]])
-  rows += (num_workers * np.arange(len(rows)))[:, None]  # distinct per row
-  comp, count = components(rows)
+  if len(groups) == 1:
+    return []
+  comp, count = graph.components(groups)
   if count == 1:
-    return groups, starts, None
-  # Merging groups j and j+1 unites their components; the groups before j
-  # stay in one component each with their successor, so one scan in time
-  # order finds every merge, and only where the component changes.
-  heads = comp[groups.members[groups.offsets[:-1]]]
-  changes = (np.flatnonzero(heads[1:] != heads[:-1]) + 1).tolist()
-  parent = {}
+    return []
+  seen, waits = set(), []
+  for j, head in enumerate(comp[groups.members[groups.offsets[:-1]]].tolist()):
+    if head not in seen:
+      seen.add(head)
+      waits.append(j)
+  return waits[1:]
 
-  def find(c):
-    while parent.get(c, c) != c:
-      c = parent[c]
-    return c
 
-  heads = heads.tolist()
+def merge(groups: Groups, starts: list, waits: list[int]
+          ) -> tuple[Groups, list]:
+  """`groups` with each of `waits` merged into the group before; a merged
+  group starts when its last part does.
+
+  Examples:
+    >>> g, t = merge(Groups(np.arange(3), np.arange(4)), [0.0, 1.0, 2.0], [1])
+    >>> [x.tolist() for x in g], t
+    ([[0, 1], [2]], [1.0, 2.0])
+  """
   kept = np.ones(len(groups), bool)
-  run, waited_from = 0, None  # run: where the group before j begins
-  for j in changes:
-    here, there = find(heads[j - 1]), find(heads[j])
-    if count > 1 and here != there:
-      if kept[j - 1]:
-        run = j - 1
-      waited = max(starts[run:j])
-      if waited_from is None or waited < waited_from:
-        waited_from = waited
-      parent[there] = here
-      count -= 1
-      kept[j] = False
+  kept[waits] = False
   firsts = np.flatnonzero(kept)
   merged = np.maximum.reduceat(np.asarray(starts), firsts).tolist()
-  offsets = np.append(groups.offsets[:-1][kept], num_workers)
-  return Groups(groups.members, offsets), merged, waited_from
+  offsets = np.append(groups.offsets[:-1][kept], len(groups.members))
+  return Groups(groups.members, offsets), merged
+
+
+HISTORY_UNITS = ("iteration", "group")
+
+
+def check(history: int, window: float, min_size: int,
+          history_unit: str) -> None:
+  """Raises a one-line ValueError for an invalid P, T, `min_size` or unit."""
+  if history_unit not in HISTORY_UNITS:
+    raise ValueError(f"history_unit={history_unit!r} is invalid; valid: "
+                     f"{', '.join(HISTORY_UNITS)}")
+  if not isinstance(history, int) or history < 1:
+    raise ValueError(f"history={history!r} is invalid; it must be an integer "
+                     ">= 1")
+  if not window >= 0:
+    raise ValueError(f"window={window!r} is invalid; it must be >= 0 seconds")
+  if not isinstance(min_size, int) or min_size < 1:
+    raise ValueError(f"min_size={min_size!r} is invalid; it must be an "
+                     "integer >= 1")
 
 
 class Scheduler:
   """SDPipe's central scheduler: Algorithm 2 with §3.4's validation.
 
-  Per stage it keeps the group labels of the last P-1 iterations; a
+  Per stage it keeps the sync graph of the last P-1 iterations; a
   validation that would make a group wait while another stage's enforcement
   is still waiting is skipped (deadlock prevention) and recorded.
+
+  With `history_unit="group"`, P counts group-sync operations (§3.2's clock
+  k) instead: each group, in time order, is validated against the last P-1
+  groups and waits for the next one of its iteration while the graph is
+  disconnected; an iteration's last group has no later signal to wait for
+  here and is kept as it is. Once a validation is skipped, the rest of the
+  iteration's are (§3.4: "ignore later group validation operation in the
+  current iteration").
 
   Examples:
     >>> sched = Scheduler(1, history=1, window=0.1)
@@ -221,9 +323,13 @@ class Scheduler:
   """
 
   def __init__(self, num_stages: int, history: int, window: float,
-               enforce: bool = True):
+               enforce: bool = True, min_size: int = 1,
+               history_unit: str = "iteration"):
+    check(history, window, min_size, history_unit)
     self.window, self.enforce, self.history = window, enforce, history
-    self.past = [None] * num_stages  # [P - 1, N] labels, oldest first
+    self.min_size = min_size  # §4's adaptive timeout (`window_groups`)
+    self.history_unit = history_unit
+    self.past = [None] * num_stages  # SyncGraph of the last P - 1 units
     self.waiting = {}  # stage -> (begin, end) of its last enforcement wait
     self.groups = [[] for _ in range(num_stages)]  # per stage, per iteration
     self.skipped = []  # (stage, iteration) whose validation was skipped
@@ -231,23 +337,54 @@ class Scheduler:
   def decide(self, stage: int, iteration: int, ready: np.ndarray
              ) -> tuple[Groups, list]:
     """This iteration's groups of `stage` and when each starts averaging."""
-    n = len(ready)
     if self.past[stage] is None:
-      self.past[stage] = np.zeros((0, n), np.int64)
-    groups, starts = window_groups(ready, self.window)
-    if self.enforce:
-      checked, checked_starts, begin = enforce(groups, starts,
-                                               self.past[stage], n)
-      if begin is not None:
-        if any(s != stage and b <= begin < e
-               for s, (b, e) in self.waiting.items()):
-          self.skipped.append((stage, iteration))
-        else:
-          self.waiting[stage] = (begin, max(checked_starts))
-          groups, starts = checked, checked_starts
-    rows = np.concatenate([self.past[stage], groups.labels(n)[None]])
-    self.past[stage] = rows[max(0, len(rows) - (self.history - 1)):]
+      self.past[stage] = SyncGraph(self.history - 1, len(ready))
+    groups, starts = window_groups(ready, self.window, self.min_size)
+    if self.history_unit == "group":
+      groups, starts = self._by_group(stage, iteration, groups, starts)
+      self.groups[stage].append(groups)
+      return groups, starts
+    waits = enforce(groups, self.past[stage]) if self.enforce else []
+    if waits:
+      begin = starts[waits[0] - 1]  # the earliest group that waits
+      if self._blocked(stage, begin):
+        self.skipped.append((stage, iteration))
+      else:
+        groups, starts = merge(groups, starts, waits)
+        self.waiting[stage] = (begin, max(starts))
+    self.past[stage].push(groups)
     self.groups[stage].append(groups)
+    return groups, starts
+
+  def _blocked(self, stage: int, begin: float) -> bool:
+    """Whether another stage's enforcement is still waiting at `begin`."""
+    return any(s != stage and b <= begin < e
+               for s, (b, e) in self.waiting.items())
+
+  def _by_group(self, stage, iteration, groups, starts):
+    """This iteration's groups validated one by one (`history_unit`)."""
+    graph, n = self.past[stage], len(groups.members)
+    waits, checking, begin = [], self.enforce, None
+    first = 0  # the candidate: groups first..j
+    for j in range(len(groups)):
+      lo, hi = groups.offsets[first], groups.offsets[j + 1]
+      alone = np.setdiff1d(np.arange(n), groups.members[lo:hi])
+      row = Groups(np.concatenate([groups.members[lo:hi], alone]),
+                   np.concatenate([[0], np.arange(hi - lo, n + 1)]))
+      if checking and j + 1 < len(groups) and graph.components(row)[1] > 1:
+        if begin is None and self._blocked(stage, starts[j]):
+          self.skipped.append((stage, iteration))
+          checking = False
+        else:
+          begin = starts[j] if begin is None else begin
+          waits.append(j + 1)  # waits for the next group and merges
+          continue
+      graph.push(row)
+      first = j + 1
+    if not waits:
+      return groups, starts
+    groups, starts = merge(groups, starts, waits)
+    self.waiting[stage] = (begin, max(starts))
     return groups, starts
 
 

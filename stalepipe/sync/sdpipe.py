@@ -32,6 +32,11 @@ class SDPipe(base.SyncPolicy):
       signals ready (e.g. the simulator's); iterations past its end (or all,
       when None) have every worker ready at once.
     enforce: validate connectivity (turn off to see replicas drift apart).
+    min_size: §4's adaptive timeout: a window that closes with fewer ready
+      workers is enlarged until this many joined (1: T fixed).
+    history_unit: what P counts: "iteration" (every group of one
+      iteration validated at once) or "group" (group-sync operations, §3.2's
+      clock k; `grouping.Scheduler`).
 
   References:
     Miao et al, SDPipe: A Semi-Decentralized Framework for Heterogeneity-aware
@@ -43,14 +48,11 @@ class SDPipe(base.SyncPolicy):
 
   def __init__(self, num_replicas: int, history: int = 10,
                window: float = math.inf, ready_times=None,
-               enforce: bool = True):
+               enforce: bool = True, min_size: int = 1,
+               history_unit: str = "iteration"):
     super().__init__(num_replicas)
-    if not isinstance(history, int) or history < 1:
-      raise ValueError(f"history={history!r} is invalid; it must be an "
-                       "integer >= 1")
-    if not window >= 0:
-      raise ValueError(f"window={window!r} is invalid; it must be >= 0")
     self.history, self.window, self.enforce = history, window, enforce
+    self.min_size, self.history_unit = min_size, history_unit
     self.ready_times = (None if ready_times is None
                         else np.asarray(ready_times, float))
     if self.ready_times is not None and (
@@ -62,7 +64,8 @@ class SDPipe(base.SyncPolicy):
 
   def _reset(self):
     self._scheduler = grouping.Scheduler(self._num_stages, self.history,
-                                            self.window, self.enforce)
+                                         self.window, self.enforce,
+                                         self.min_size, self.history_unit)
     self._iterations = 0
 
   @property
@@ -98,11 +101,13 @@ class SDPipe(base.SyncPolicy):
 
 
 def sdpipe(num_replicas: int, history: int = 10, window: float = math.inf,
-           ready_times=None, enforce: bool = True) -> SDPipe:
+           ready_times=None, enforce: bool = True, min_size: int = 1,
+           history_unit: str = "iteration") -> SDPipe:
   """SDPipe (see `SDPipe`).
 
   Examples:
     >>> sdpipe(3).mixing(0, 0)[0]  # everybody ready at once: all-reduce
     array([0.33333334, 0.33333334, 0.33333334], dtype=float32)
   """
-  return SDPipe(num_replicas, history, window, ready_times, enforce)
+  return SDPipe(num_replicas, history, window, ready_times, enforce,
+                min_size, history_unit)
