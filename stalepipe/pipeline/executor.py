@@ -107,7 +107,7 @@ def run_window(ctx: tick_lib.Stages, state: PipelineState, inputs, targets,
       lambda c: jax.lax.dynamic_index_in_dim(c, jnp.minimum(step, K - 1),
                                              keepdims=False), tables)
   carries, _ = jax.lax.scan(functools.partial(tick_lib.tick, ctx, window),
-                            carries, table)
+                            carries, (table, tick_lib.busy_rows(table)))
   carries = [tick_lib.file_arrivals(ctx, c) for c in carries]
   total = lambda get: jax.lax.psum(sum(get(c) for c in carries), STAGE)  # pylint: disable=unnecessary-lambda-assignment
   num_losses = total(lambda c: c.num_losses)

@@ -675,17 +675,42 @@ def apply_updates(ctx: Stages, windows, carries, instrs) -> tuple:
                       tuple(carries))
 
 
-def tick(ctx: Stages, window: Window, carries: tuple, rows):
-  """One tick on this device: what arrived last tick filed, the task of
-  each of its slots' stages (`rows` holds every stage's row), the sends,
-  the updates."""
+def busy_rows(table) -> jax.Array:
+  """bool [T, S]: whether a stage has anything to do in a tick of a window's
+  table: a task, or last tick's arrivals to file. (A window files its last
+  tick's arrivals after its loop, so its first tick has none.)"""
+  def last_tick(column):
+    return jnp.concatenate([jnp.full_like(column[:1], -1), column[:-1]])
+  return ((table.kind != program_lib.IDLE)
+          | (last_tick(table.recv_forward) >= 0)
+          | (last_tick(table.recv_backward) >= 0))
+
+
+def run_slot(ctx: Stages, carry: TickCarry, instr, window: Window, busy):
+  """A slot's task with what arrived last tick filed first; a slot with
+  nothing to do skips both under one two-way `cond` (a folded device's
+  stages are idle most ticks of a deep synchronous schedule)."""
+  def work(c):
+    c, output = run_tasks(ctx, file_arrivals(ctx, c), instr, window)
+    return keep_residuals(c, output), output
+
+  if ctx.placement.num_slots == 1:
+    return work(carry)
+  return jax.lax.cond(busy, work, lambda c: (c, no_output(ctx)), carry)
+
+
+def tick(ctx: Stages, window: Window, carries: tuple, xs):
+  """One tick on this device: the task of each of its slots' stages, with
+  what arrived last tick filed first (`xs`: every stage's row, and whether
+  it is busy, `busy_rows`), the sends, the updates."""
+  rows, busy = xs
   windows = [at_slot(ctx, window, j) for j in range(len(carries))]
   instrs = [jax.tree.map(lambda column, w=w: column[w.stage], rows)
             for w in windows]
   done, outputs = [], []
   for w, c, i in zip(windows, carries, instrs):
-    c, output = run_tasks(ctx, file_arrivals(ctx, c), i, w)
-    done.append(keep_residuals(c, output))
+    c, output = run_slot(ctx, c, i, w, busy[w.stage])
+    done.append(c)
     outputs.append(output)
   received = exchange(ctx, outputs, rows, window.device,
                       [c.buffers for c in done])
