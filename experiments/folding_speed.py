@@ -38,6 +38,9 @@ SCHEDULE = flags.DEFINE_string("schedule", "1f1b", "Schedule to fold.")
 REMAT = flags.DEFINE_enum("remat", "residuals", ["residuals", "recompute"],
                           "The executor's remat (recompute adds a forward).")
 WINDOW = flags.DEFINE_integer("window", 2, "Minibatches per window, B.")
+LAYOUT = flags.DEFINE_enum("layout", "packed", ["packed", "stacked"],
+                           "The executor's weight layout (stacked: every "
+                           "stage the same structure, read in place).")
 LR = 0.01
 
 
@@ -71,7 +74,8 @@ def variants(S: int, x, y) -> dict:
   schedule = executor_common.make_schedule(SCHEDULE.value, S, M, WINDOW.value)
   mesh = jax.make_mesh((1, 1), ("data", "stage"), devices=jax.devices()[:1])
   pipe = executor.Pipeline(staged.stage_fns, cross_entropy, schedule,
-                           optax.sgd(LR), mesh, remat=REMAT.value)
+                           optax.sgd(LR), mesh, remat=REMAT.value,
+                           layout=LAYOUT.value)
   step_fn, state, args = executor_common.step_function(
       pipe, pipe.init(staged.stage_params), x, y)
   box = [state]
@@ -116,7 +120,7 @@ def main(argv):
           f"{plain * 1e3:8.1f} ms  ratio {rows[-1]['ratio']:.2f}")
   harness.record("folding_speed", {
       "config": executor_common.config("hidden", "batch", "micro", "blocks",
-                                       "schedule", "remat", "window",
+                                       "schedule", "remat", "window", "layout",
                                        "repeats"),
       "rows": rows})
 
