@@ -208,7 +208,8 @@ def plot(runs, rows, target: float, path: str) -> None:
       ax.plot(*zip(*points), marker="o", label=method)
   ax.set(xscale="log", yscale="log", xlabel="stages S",
          ylabel="steps to target / steps at S=1", title="slowdown")
-  ax.legend(fontsize=8)
+  if ax.lines:
+    ax.legend(fontsize=8)
   fig.tight_layout()
   fig.savefig(path, dpi=110)
   plt.close(fig)
