@@ -206,8 +206,10 @@ def plot(runs, rows, target: float, path: str) -> None:
               if c["slowdown"] is not None]
     if points:
       ax.plot(*zip(*points), marker="o", label=method)
-  ax.set(xscale="log", yscale="log", xlabel="stages S",
-         ylabel="steps to target / steps at S=1", title="slowdown")
+  ax.set_xscale("log", base=2)
+  ax.set_yscale("log", base=2)
+  ax.set(xlabel="stages S", ylabel="steps to target / steps at S=1",
+         title="slowdown")
   if ax.lines:
     ax.legend(fontsize=8)
   fig.tight_layout()
