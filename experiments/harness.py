@@ -34,6 +34,7 @@ Example:
     harness.run(main)
 """
 
+import glob
 import json
 import os
 import statistics
@@ -98,6 +99,12 @@ def record(name: str, result: Any) -> str | None:
   with open(path, "w") as f:
     f.write(text + "\n")
   return path
+
+
+def workdirs(patterns: list[str]) -> list[str]:
+  """The directories the globs `patterns` match, sorted, each once."""
+  return sorted({path for pattern in patterns for path in glob.glob(pattern)
+                 if os.path.isdir(path)})
 
 
 def figure_path(name: str) -> str | None:

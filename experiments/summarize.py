@@ -22,7 +22,6 @@ row names before their last "-" (`hete-B-sdpipe` is row `sdpipe` of panel
 `hete-B`).
 """
 
-import glob
 import json
 import os
 import re
@@ -189,8 +188,7 @@ def plot(workdirs: list[str], key: str, smooth: int, path: str) -> None:
 
 def main(argv):
   del argv
-  workdirs = sorted({path for pattern in _RUNS.value
-                     for path in glob.glob(pattern) if os.path.isdir(path)})
+  workdirs = harness.workdirs(_RUNS.value)
   if not workdirs:
     raise SystemExit(f"summarize.py: error: --runs={_RUNS.value} matches "
                      "no workdir")

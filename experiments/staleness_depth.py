@@ -1,0 +1,242 @@
+"""Steps to a target validation loss against pipeline depth, and the slowdown.
+
+  python experiments/staleness_depth.py --runs='runs/staleness_depth/*' \
+      [--target_loss=L | --target_fraction=0.25] [--out_dir=DIR] \
+      [--write_figures]
+
+Reads the workdirs of configs/experiments/staleness_depth.py, named
+`<method>-S<stages>-<seed>`. A run's steps to the target is where its
+validation loss (`test_loss` in metrics.jsonl, every `eval_every` steps)
+first falls to the target, linearly interpolated between that evaluation and
+the one before it (the first evaluation itself if it is already there); a run
+that never gets there is "not reached". For each (method, S) the steps are
+the mean over seeds, and the slowdown is that mean over the same method's
+mean at S = 1. A (method, S) with a seed that did not reach the target has
+no mean: its slowdown is at least (the steps it ran) / (S = 1's steps),
+written `>x`.
+
+The default target is the worst of the S = 1 methods' validation losses at
+`--target_fraction` of their training (each method's mean over seeds at the
+last evaluation at or before that step), so every method reaches it at S = 1
+by then, and a slowdown up to 1 / target_fraction can be measured.
+
+Writes `staleness_depth.json` (harness.record), the markdown table
+`staleness_depth.md` and `staleness_depth.png` (validation loss against
+steps, one panel per method, and the slowdown against S) into --out_dir;
+the figure into docs/figures/ with --write_figures.
+"""
+
+import json
+import math
+import os
+import re
+
+from absl import flags
+import numpy as np
+
+import harness
+
+_RUNS = flags.DEFINE_multi_string(
+    "runs", None, "Workdir globs, e.g. 'runs/staleness_depth/*'.",
+    required=True)
+_TARGET_LOSS = flags.DEFINE_float(
+    "target_loss", None, "Validation loss to reach; default: from the S = 1 "
+    "runs and --target_fraction.")
+_TARGET_FRACTION = flags.DEFINE_float(
+    "target_fraction", 0.25, "Fraction of the S = 1 runs' steps at which "
+    "the default target is read.", lower_bound=0.0, upper_bound=1.0)
+
+_NAME = re.compile(r"^(.+)-S(\d+)-(\d+)$")
+_NAN_STOP = re.compile(r"launch.py: error: loss is -?(nan|inf)")
+
+
+def read_curve(workdir: str) -> tuple[np.ndarray, np.ndarray]:
+  """`(steps, validation losses)` of a run's metrics.jsonl, by step."""
+  curve = {}
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    for record in map(json.loads, filter(str.strip, f)):
+      if "test_loss" in record:
+        curve[record["step"]] = record["test_loss"]
+  steps = sorted(curve)
+  return np.array(steps, float), np.array([curve[s] for s in steps], float)
+
+
+def steps_to_target(steps: np.ndarray, losses: np.ndarray,
+                    target: float) -> float | None:
+  """The step where `losses` first falls to `target`, linearly interpolated
+  from the evaluation before; None if it never does.
+
+  Examples:
+    >>> steps_to_target(np.array([10., 20., 30.]), np.array([3., 2., 1.]), 1.5)
+    25.0
+  """
+  below = np.flatnonzero(losses <= target)
+  if not below.size:
+    return None
+  i = below[0]
+  if i == 0:
+    return float(steps[0])
+  s0, s1, l0, l1 = steps[i - 1], steps[i], losses[i - 1], losses[i]
+  return float(s0 + (s1 - s0) * (l0 - target) / (l0 - l1))
+
+
+def loss_at(steps: np.ndarray, losses: np.ndarray, step: float) -> float:
+  """The loss at the last evaluation at or before `step` (the first one if
+  none is)."""
+  return float(losses[max(np.searchsorted(steps, step, side="right") - 1,
+                          0)])
+
+
+def load(workdirs: list[str]) -> dict[tuple[str, int], dict[int, dict]]:
+  """{(method, S): {seed: {"status", "steps", "losses"}}}; status is "done",
+  "diverged" (the launcher stopped on a NaN/inf loss) or "unfinished"."""
+  runs = {}
+  for workdir in workdirs:
+    match = _NAME.match(os.path.basename(os.path.normpath(workdir)))
+    if not match:
+      continue
+    status = "done"
+    if not os.path.exists(os.path.join(workdir, "summary.json")):
+      try:
+        with open(os.path.normpath(workdir) + ".err") as f:
+          status = "diverged" if _NAN_STOP.search(f.read()) else "unfinished"
+      except FileNotFoundError:
+        status = "unfinished"
+    steps, losses = (read_curve(workdir) if status != "unfinished"
+                     else (np.zeros(0), np.zeros(0)))
+    runs.setdefault((match[1], int(match[2])), {})[int(match[3])] = {
+        "status": status, "steps": steps, "losses": losses}
+  return runs
+
+
+def default_target(runs, fraction: float) -> float:
+  """The worst S = 1 method's mean validation loss at `fraction` of its
+  runs' steps."""
+  worst = []
+  for (method, stages), seeds in runs.items():
+    done = [r for r in seeds.values() if r["status"] == "done"]
+    if stages == 1 and done:
+      worst.append(np.mean([loss_at(r["steps"], r["losses"],
+                                    fraction * r["steps"][-1])
+                            for r in done]))
+  if not worst:
+    raise SystemExit("staleness_depth.py: error: no finished S=1 run to "
+                     "choose a target from; valid: pass --target_loss")
+  return float(max(worst))
+
+
+def table(runs, target: float) -> dict[str, dict[int, dict]]:
+  """{method: {S: {"seeds", "steps" (mean or None), "at_least" (the fewest
+  steps run by a seed that did not reach it, or None), "slowdown",
+  "slowdown_at_least"}}} over the runs that finished or diverged."""
+  rows = {}
+  for (method, stages), seeds in sorted(runs.items()):
+    ended = {s: r for s, r in seeds.items() if r["status"] != "unfinished"}
+    if not ended:
+      continue
+    reached = {s: steps_to_target(r["steps"], r["losses"], target)
+               for s, r in ended.items()}
+    missed = [float(ended[s]["steps"][-1]) if ended[s]["steps"].size
+              else 0.0 for s, v in reached.items() if v is None]
+    rows.setdefault(method, {})[stages] = {
+        "seeds": sorted(ended),
+        "steps": (None if missed else
+                  float(np.mean(list(reached.values())))),
+        "at_least": min(missed) if missed else None}
+  for row in rows.values():
+    base = row.get(1, {}).get("steps")
+    for cell in row.values():
+      cell["slowdown"] = (cell["steps"] / base
+                          if base and cell["steps"] is not None else None)
+      cell["slowdown_at_least"] = (cell["at_least"] / base
+                                   if base and cell["at_least"] is not None
+                                   else None)
+  return rows
+
+
+def _cell(cell: dict | None) -> str:
+  if cell is None:
+    return "-"
+  if cell["steps"] is None:
+    bound = (f" (>{cell['slowdown_at_least']:.2f}x)"
+             if cell["slowdown_at_least"] is not None else "")
+    return f">{cell['at_least']:.0f}{bound}"
+  ratio = (f" ({cell['slowdown']:.2f}x)" if cell["slowdown"] is not None
+           else "")
+  return f"{cell['steps']:.0f}{ratio}"
+
+
+def markdown(rows, target: float) -> str:
+  """`| method | S=1 | S=2 | ... |`: steps to the target (slowdown)."""
+  stages = sorted({s for row in rows.values() for s in row})
+  lines = [f"Steps to validation loss {target:.4f} (slowdown over S=1; mean "
+           "over seeds, seeds per cell in the JSON)", "",
+           "| method | " + " | ".join(f"S={s}" for s in stages) + " |",
+           "|---|" + "---:|" * len(stages)]
+  for method, row in rows.items():
+    lines.append(f"| {method} | " +
+                 " | ".join(_cell(row.get(s)) for s in stages) + " |")
+  return "\n".join(lines)
+
+
+def plot(runs, rows, target: float, path: str) -> None:
+  """Validation loss against steps, one panel per method (a line per S and
+  seed), and the slowdown against S (log-log), one line per method."""
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use("Agg")
+  from matplotlib import pyplot as plt  # pylint: disable=g-import-not-at-top
+  methods = list(rows)
+  fig, axes = plt.subplots(1, len(methods) + 1,
+                           figsize=(4 * (len(methods) + 1), 3.8),
+                           squeeze=False)
+  colors = plt.get_cmap("viridis")
+  for ax, method in zip(axes[0], methods):
+    for (m, stages), seeds in sorted(runs.items()):
+      for seed, r in seeds.items():
+        if m == method and r["steps"].size:
+          ax.plot(r["steps"], r["losses"],
+                  color=colors(math.log2(stages) / 5),
+                  label=f"S={stages}" if seed == min(seeds) else None)
+    ax.axhline(target, color="grey", lw=0.8, ls="--")
+    ax.set(title=method, xlabel="step", ylabel="validation loss")
+    ax.legend(fontsize=8)
+  ax = axes[0][-1]
+  for method, row in rows.items():
+    points = [(s, c["slowdown"]) for s, c in sorted(row.items())
+              if c["slowdown"] is not None]
+    if points:
+      ax.plot(*zip(*points), marker="o", label=method)
+  ax.set_xscale("log", base=2)
+  ax.set_yscale("log", base=2)
+  ax.set(xlabel="stages S", ylabel="steps to target / steps at S=1",
+         title="slowdown")
+  if ax.lines:
+    ax.legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+
+
+def main(argv):
+  del argv
+  runs = load(harness.workdirs(_RUNS.value))
+  if not runs:
+    raise SystemExit(f"staleness_depth.py: error: --runs={_RUNS.value} "
+                     "matches no <method>-S<stages>-<seed> workdir")
+  target = (_TARGET_LOSS.value if _TARGET_LOSS.value is not None
+            else default_target(runs, _TARGET_FRACTION.value))
+  rows = table(runs, target)
+  harness.record("staleness_depth", {"target_loss": target, "rows": rows})
+  text = markdown(rows, target)
+  print(text)
+  if harness.OUT_DIR.value:
+    with open(os.path.join(harness.OUT_DIR.value, "staleness_depth.md"),
+              "w") as f:
+      f.write(text + "\n")
+  path = harness.figure_path("staleness_depth.png")
+  if path:
+    plot(runs, rows, target, path)
+
+
+if __name__ == "__main__":
+  harness.run(main)

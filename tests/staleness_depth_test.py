@@ -1,0 +1,79 @@
+"""experiments/staleness_depth.py on fake workdirs, against a hand computation.
+
+Run as a subprocess: its flags share names with experiments/summarize.py's,
+which tests/summarize_test.py imports.
+"""
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+# Validation loss at steps 10, 20, 30, 40 of each run.
+CURVES = {
+    "m-S1-0": [4.0, 3.0, 2.0, 1.5],
+    "m-S1-1": [4.0, 2.5, 2.0, 1.0],
+    "m-S4-0": [4.0, 3.5, 3.0, 2.5],
+    "m-S4-1": [4.0, 3.8, 3.0, 2.0],
+    "m-S8-0": [4.0, 3.5, 3.0, 2.6],
+    "m-S8-1": [4.0, 3.5, 2.5, 2.0],
+    "n-S1-0": [5.0, 4.0, 3.0, 2.0],
+    "m-S16-0": [4.0],  # unfinished: no summary.json, no error
+}
+
+
+def _fake_runs(root: pathlib.Path) -> None:
+  for name, losses in CURVES.items():
+    (root / name).mkdir(parents=True)
+    (root / name / "metrics.jsonl").write_text("".join(
+        json.dumps({"step": 10 * (i + 1), "loss": 9.0}) + "\n" +
+        json.dumps({"step": 10 * (i + 1), "test_loss": loss}) + "\n"
+        for i, loss in enumerate(losses)))
+    if name != "m-S16-0":
+      (root / name / "summary.json").write_text("{}")
+  (root / "m-S2-0").mkdir()
+  (root / "m-S2-0" / "metrics.jsonl").write_text(
+      '{"step": 10, "test_loss": 4.0}\n')
+  (root / "m-S2-0.err").write_text("launch.py: error: loss is nan at step "
+                                   "12; run stopped\n")
+
+
+def _table(root: pathlib.Path, *flags: str) -> dict:
+  out = root / "out"
+  subprocess.run([sys.executable, str(ROOT / "experiments" /
+                                      "staleness_depth.py"),
+                  f"--runs={root / 'exp' / '*'}", f"--out_dir={out}", *flags],
+                 capture_output=True, text=True, check=True)
+  assert (out / "staleness_depth.md").exists()
+  assert (out / "staleness_depth.png").exists()
+  return json.loads((out / "staleness_depth.json").read_text())
+
+
+def test_steps_to_target_and_slowdown_by_hand(tmp_path):
+  _fake_runs(tmp_path / "exp")
+  result = _table(tmp_path, "--target_loss=2.5")
+  m = result["rows"]["m"]
+  # S=1: seed 0 crosses 2.5 between 20 (3.0) and 30 (2.0): 20 + 10 * 0.5;
+  # seed 1 is at 2.5 at step 20: 10 + 10 * 1.5 / 1.5.
+  assert m["1"]["steps"] == pytest.approx((25.0 + 20.0) / 2)
+  # S=4: 30 + 10 * 0.5 / 0.5 = 40 and 30 + 10 * 0.5 / 1.0 = 35.
+  assert m["4"]["steps"] == pytest.approx((40.0 + 35.0) / 2)
+  assert m["4"]["slowdown"] == pytest.approx(37.5 / 22.5)
+  # S=8: seed 0 never reaches 2.5 in its 40 steps: at least 40 / 22.5.
+  assert m["8"]["steps"] is None and m["8"]["at_least"] == 40.0
+  assert m["8"]["slowdown_at_least"] == pytest.approx(40.0 / 22.5)
+  # S=2 diverged at its first evaluation; S=16 is unfinished (no cell).
+  assert m["2"]["at_least"] == 10.0 and "16" not in m
+  assert result["rows"]["n"]["1"]["slowdown"] == pytest.approx(1.0)
+
+
+def test_default_target_is_the_worst_s1_method_at_the_fraction(tmp_path):
+  _fake_runs(tmp_path / "exp")
+  # At step 0.5 * 40 = 20: m's seeds 3.0 and 2.5 (mean 2.75), n's 4.0.
+  assert _table(tmp_path, "--target_fraction=0.5")["target_loss"] == 4.0
+  # At step 12 the last evaluation is step 10's: m's 4.0, n's 5.0.
+  assert _table(tmp_path, "--target_fraction=0.3")["target_loss"] == 5.0
