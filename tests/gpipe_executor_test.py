@@ -97,9 +97,11 @@ def test_windows_continue_where_the_last_ended():
 def test_bad_shapes_and_meshes_are_rejected():
   staged = sp.models.split(sp.models.mlp(16, 8, 3, 10), 4)
   schedule = sp.schedules.make("gpipe", num_stages=4, num_microbatches=2)
-  with pytest.raises(ValueError, match="mesh 'stage' size 2"):
+  with pytest.raises(ValueError, match="3 devices on 'stage' is invalid for 4 "
+                     "stages; valid: a divisor of 4"):
     Pipeline(staged.stage_fns, classification_loss, schedule, optax.sgd(0.1),
-             jax.make_mesh((4, 2), ("data", "stage")))
+             jax.make_mesh((2, 3), ("data", "stage"),
+                           devices=jax.devices()[:6]))
   pipe = Pipeline(staged.stage_fns, classification_loss, schedule,
                   optax.sgd(0.1), jax.make_mesh((2, 4), ("data", "stage")))
   state = pipe.init(staged.stage_params)
