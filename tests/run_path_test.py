@@ -90,6 +90,9 @@ PLANES = {
         "optimizer_wrapper": (n, {
             "PipeMare": {"warmup_steps": 2, "decay": 0.5},
             "WeightPrediction": {"option": 3},
+            # The paper's pipeline-wide staleness needs pipedream without
+            # stashing and one micro-batch; the default config is gpipe.
+            "SpecTrain": {"staleness": "minibatch"},
             "stale_optimizer": {"delay": 1}}.get(n, {})),
         "optimizer_scope": "stage"}),
     "optimizer": (optimizers.OPTIMIZERS.names(), lambda n: {"optimizer": n}),
