@@ -398,14 +398,6 @@ def task_branches(ctx: Stages) -> list[list[Callable]]:
           for s in range(ctx.num_stages)]
 
 
-def task_changes(carry: TickCarry) -> dict:
-  """The fields of the carry a task's branch changes: the rest (the ring,
-  the buffers, the accumulator) leave its conditional by no output, so XLA
-  copies none of them for the branches that pass them through."""
-  return {"loss_sum": carry.loss_sum, "num_losses": carry.num_losses,
-          "metric_sums": carry.metric_sums, "stage_state": carry.stage_state}
-
-
 def run_tasks(ctx: Stages, carry: TickCarry, instr, window: Window):
   """The stage's task, dispatched (`ctx.lowering`) in two groups under one
   two-way `cond`: the kinds that produce a weight gradient, and the rest.
@@ -418,8 +410,7 @@ def run_tasks(ctx: Stages, carry: TickCarry, instr, window: Window):
   passes a buffer through, each buffer that another branch changes; a
   two-way `cond` copies nothing when its changing branch updates the buffer
   elementwise. So no tick copies the accumulator (2 MB per stage of the
-  benchmarks' MLP), and no branch packs a copy of the gradient. Nor do the
-  branches return the ring or the buffers (`task_changes`).
+  benchmarks' MLP), and no branch packs a copy of the gradient.
   """
   branches = task_branches(ctx)
   kinds = [kinds_lib.kind(name) for name in ctx.program.kinds]
@@ -441,19 +432,18 @@ def run_tasks(ctx: Stages, carry: TickCarry, instr, window: Window):
 
   def adding(c):
     done, output, gradient = group(
-        adds, c, lambda d, o, g: (task_changes(d), o,
-                                  zeros if g is None else g))
+        adds, c, lambda d, o, g: (d, o, zeros if g is None else g))
     grads = jax.tree.map(jnp.add, accumulated(c), ctx.params.join(gradient))
-    return done, grads, jnp.zeros((), bool), output
+    return done._replace(grads=grads, grads_spent=jnp.zeros((), bool)), output
 
   def not_adding(c):
-    done, output = group(rest, c, lambda d, o, g: (task_changes(d), o))
-    return done, c.grads, c.grads_spent, output
+    done, output = group(rest, c, lambda d, o, g: (d, o))
+    return done._replace(grads=c.grads, grads_spent=c.grads_spent), output
 
-  run = (functools.partial(jax.lax.cond, jnp.isin(instr.kind, np.asarray(
-      adds)), adding, not_adding) if adds else not_adding)
-  done, grads, spent, output = run(carry)
-  return carry._replace(grads=grads, grads_spent=spent, **done), output
+  if not adds:
+    return not_adding(carry)
+  return jax.lax.cond(jnp.isin(instr.kind, np.asarray(adds)), adding,
+                      not_adding, carry)
 
 
 def keep_residuals(carry: TickCarry, output: TaskOutput) -> TickCarry:
@@ -492,14 +482,12 @@ def hop(placement: placement_lib.Placement, x, hop_: placement_lib.Hop,
   return into
 
 
-def exchange(ctx: Stages, outputs: list[TaskOutput], rows, device,
-             filed: list) -> list[TaskOutput]:
+def exchange(ctx: Stages, outputs: list[TaskOutput], rows,
+             device) -> list[TaskOutput]:
   """Every send moves to the next stage (activations) or the previous one
   (cotangents), wherever the placement holds it (`placement.Hop`); returns,
   per slot of this device, what arrives there this tick (zeros where
-  nothing does). `filed`: each slot's buffers after last tick's arrivals
-  were filed; what arrives now is computed after them (a barrier), so it
-  can take the place of what arrived last tick without a copy."""
+  nothing does)."""
   arrived = [output._replace(
       forward=jax.tree.map(jnp.zeros_like, output.forward),
       backward=jax.tree.map(jnp.zeros_like, output.backward))
@@ -507,9 +495,7 @@ def exchange(ctx: Stages, outputs: list[TaskOutput], rows, device,
   for field, recv, step in (("forward", rows.recv_forward, 1),
                             ("backward", rows.recv_backward, -1)):
     for h in ctx.placement.hops(step):
-      sent, _ = jax.lax.optimization_barrier((getattr(outputs[h.source],
-                                                      field), filed[h.dest]))
-      got = hop(ctx.placement, sent, h, device,
+      got = hop(ctx.placement, getattr(outputs[h.source], field), h, device,
                 getattr(arrived[h.dest], field), recv)
       arrived[h.dest] = arrived[h.dest]._replace(**{field: got})
   return arrived
@@ -712,8 +698,7 @@ def tick(ctx: Stages, window: Window, carries: tuple, xs):
     c, output = run_slot(ctx, c, i, w, busy[w.stage])
     done.append(c)
     outputs.append(output)
-  received = exchange(ctx, outputs, rows, window.device,
-                      [c.buffers for c in done])
+  received = exchange(ctx, outputs, rows, window.device)
   done = [c._replace(arrivals=arrivals(ctx, r, i, w))
           for w, c, r, i in zip(windows, done, received, instrs)]
   return apply_updates(ctx, windows, done, instrs), None
