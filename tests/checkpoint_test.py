@@ -25,6 +25,7 @@ sys.path.insert(0, str(ROOT))
 
 from configs import default  # pylint: disable=g-import-not-at-top
 from configs import hetpipe_wsp  # pylint: disable=g-import-not-at-top
+from stalepipe.train import checkpoint  # pylint: disable=g-import-not-at-top
 from stalepipe.train import hooks  # pylint: disable=g-import-not-at-top
 from stalepipe.train import trainer  # pylint: disable=g-import-not-at-top
 
@@ -130,7 +131,21 @@ def test_keeps_the_last_n_checkpoints(tmp_path):
                                   keep_checkpoints=3), str(tmp_path))
   assert _steps(tmp_path) == [12, 14, 16]  # named by step
   # Old steps are retired through deleted/, which is emptied after saves.
-  assert not (tmp_path / "checkpoints" / "deleted").exists()
+  assert not list((tmp_path / "checkpoints" / "deleted").glob("*"))
+
+
+def test_emptying_deleted_keeps_the_directory_orbax_renames_into(tmp_path):
+  # orbax's finaliser makes deleted/ and then renames the retired step into
+  # it from another thread; removing deleted/ in between failed that save.
+  ckpt = checkpoint.Checkpointer(str(tmp_path), keep=1)
+  (tmp_path / "deleted" / "3" / "state").mkdir(parents=True)
+  (tmp_path / "deleted" / "3" / "state" / "x").write_bytes(b"0")
+  ckpt._empty_deleted()  # pylint: disable=protected-access
+  assert (tmp_path / "deleted").is_dir()
+  assert not list((tmp_path / "deleted").iterdir())
+  (tmp_path / "4").mkdir()
+  (tmp_path / "4").rename(tmp_path / "deleted" / "4")  # what orbax does next
+  ckpt.close()
 
 
 def test_unfinished_save_is_ignored_and_last_good_resumed(tmp_path):

@@ -265,10 +265,21 @@ class Checkpointer:
 
   def _empty_deleted(self) -> None:
     """Removes the steps orbax has retired into `deleted/` (each was renamed
-    there whole after a newer step was finalised: never a checkpoint)."""
-    if jax.process_index() == 0:
-      shutil.rmtree(os.path.join(self.directory, "deleted"),
-                    ignore_errors=True)
+    there whole after a newer step was finalised: never a checkpoint).
+
+    `deleted/` itself stays: orbax's finaliser creates it and then renames a
+    step into it from its own thread, and removing the directory between the
+    two fails that save.
+    """
+    if jax.process_index() != 0:
+      return
+    retired = os.path.join(self.directory, "deleted")
+    try:
+      names = os.listdir(retired)
+    except FileNotFoundError:
+      return
+    for name in names:
+      shutil.rmtree(os.path.join(retired, name), ignore_errors=True)
 
   def close(self) -> None:
     """Stops orbax's threads; safe after a failed save."""
