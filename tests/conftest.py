@@ -8,8 +8,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import pytest  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 # Variants that run in the slow suite only: each is a heavier sibling of a
-# case the quick suite keeps (named after the arrow), so the quick suite
-# still covers every schedule, update rule and sync policy once.
+# case the quick suite keeps (named after the arrow). The quick suite keeps
+# one case of each parametrized test; `make test-slow` (and CI) runs the rest.
 SLOW_VARIANTS = {
     # S=4 of every schedule; quick: S=2 of all, S=4 of pipedream and zb-h1.
     "tests/executor_test.py::test_executor_equals_reference[4-gpipe]",
@@ -33,15 +33,133 @@ SLOW_VARIANTS = {
     "tests/gpipe_executor_test.py::test_gpipe_equals_unpipelined_sgd[2-boundaries2]",
     "tests/gpipe_executor_test.py::test_gpipe_equals_unpipelined_sgd[1-boundaries3]",
     # -> wp1 with a sync policy; pipemare and spectrain alone stay quick.
-    "tests/executor_update_rules_test.py::test_update_rule_with_a_sync_policy_executor_equals_oracle[pipemare-hetpipe-options0-<lambda>-2]",
+    "tests/executor_update_rules_test.py::test_update_rule_with_a_sync_policy_executor_equals_oracle[pipemare-hetpipe-options0-<lambda>-2-2]",
     "tests/executor_update_rules_test.py::test_update_rule_with_a_sync_policy_executor_equals_oracle[spectrain-pipedream-options1-<lambda>-4-1]",
     # -> faults_test's bounded retention and run_path_test's step names.
     "tests/checkpoint_test.py::test_keeps_the_last_n_checkpoints",
+    # -> [2-1f1b], [2-pipedream], [2-zb-h1].
+    "tests/executor_test.py::test_executor_equals_reference[2-gpipe]",
+    "tests/executor_test.py::test_executor_equals_reference[2-hetpipe]",
+    "tests/executor_test.py::test_executor_equals_reference[2-timeprest]",
+    "tests/executor_test.py::test_executor_equals_reference[2-zb-h2]",
+    "tests/executor_test.py::test_executor_equals_reference[2-zb-async]",
+    "tests/executor_test.py::test_executor_equals_reference[4-pipedream]",
+    "tests/executor_test.py::test_executor_equals_reference[4-zb-h1]",
+    # -> [timeprest].
+    "tests/executor_test.py::test_executor_equals_reference_with_adam_and_uneven_stages[pipedream]",
+    # -> [gpipe].
+    "tests/executor_test.py::test_residuals_equal_recompute_and_the_oracle[pipedream]",
+    "tests/executor_test.py::test_residuals_equal_recompute_and_the_oracle[zb-h1]",
+    # -> [gpipe-recompute] and the rest of its parameters.
+    "tests/executor_test.py::test_synchronous_schedules_equal_unpipelined_training[zb-h1-recompute]",
+    "tests/executor_test.py::test_synchronous_schedules_equal_unpipelined_training[zb-h1-residuals]",
+    "tests/executor_test.py::test_synchronous_schedules_equal_unpipelined_training[zb-h2-recompute]",
+    "tests/executor_test.py::test_synchronous_schedules_equal_unpipelined_training[zb-h2-residuals]",
+    # -> [select_all].
+    "tests/executor_test.py::test_every_tick_lowering_equals_the_oracle[cond_chain]",
+    "tests/executor_test.py::test_every_tick_lowering_equals_the_oracle[flat_switch]",
+    "tests/executor_test.py::test_every_tick_lowering_equals_the_oracle[nested_switch]",
+    # -> [pipedream-recompute-packed] and [pipedream-recompute-stacked].
+    "tests/executor_copies_test.py::test_no_tick_copies_the_gradient_accumulator[1f1b-recompute-packed]",
+    "tests/executor_copies_test.py::test_no_tick_copies_the_gradient_accumulator[1f1b-recompute-stacked]",
+    "tests/executor_copies_test.py::test_no_tick_copies_the_gradient_accumulator[zb-h1-residuals-packed]",
+    "tests/executor_copies_test.py::test_no_tick_copies_the_gradient_accumulator[zb-h1-residuals-stacked]",
+    # -> spectrain on pipedream (and the weight-prediction transforms'
+    # own tests in optim_wp_test); pipemare-hetpipe with a sync policy.
+    "tests/executor_update_rules_test.py::test_update_rule_executor_equals_oracle[wp2-1f1b-options1-2-2-2]",
+    "tests/executor_update_rules_test.py::test_update_rule_executor_equals_oracle[spectrain_minibatch-pipedream-options6-3-1-2]",
+    "tests/executor_update_rules_test.py::test_update_rule_executor_equals_oracle[pipemare-pipedream-options9-3-2-2]",
+    "tests/executor_update_rules_test.py::test_update_rule_with_a_sync_policy_executor_equals_oracle[wp1-1f1b-options2-<lambda>-2-2]",
+    # -> [residuals].
+    "tests/boundary_test.py::test_int_ids_cross_beside_a_bf16_boundary_exactly[recompute]",
+    # -> [_corrupt_emptied-corrupt].
+    "tests/checkpoint_test.py::test_bad_latest_checkpoint_is_skipped_and_the_run_ends_bit_for_bit[_corrupt_flipped-checksum mismatch]",
+    "tests/checkpoint_test.py::test_bad_latest_checkpoint_is_skipped_and_the_run_ends_bit_for_bit[_corrupt_truncated-corrupt]",
+    # -> the other bad inputs (this one compiles a model).
+    "tests/launch_test.py::test_bad_input_exits_with_one_line[args2-num_stages=6 does not fit a model of 4 blocks; valid: 1 to 4]",
+    # -> [1-transformer].
+    "tests/models_test.py::test_split_composes_to_the_unsplit_model[1-resnet]",
+    # -> [1].
+    "tests/multihost_launch_test.py::test_a_peer_that_never_starts_is_named_in_one_line[0]",
+    # -> [wp_option3-explicit] and the cheaper transforms.
+    "tests/optim_nnx_sharding_test.py::test_sharded_nnx_model_trains_like_unsharded[stale_optimizer-explicit]",
+    "tests/optim_nnx_sharding_test.py::test_sharded_nnx_model_trains_like_unsharded[dc_diagonal_ema-explicit]",
+    "tests/optim_nnx_sharding_test.py::test_sharded_nnx_model_trains_like_unsharded[dc_full_delay2-explicit]",
+    "tests/optim_nnx_sharding_test.py::test_sharded_nnx_model_trains_like_unsharded[basis_rotation_uni_1st-explicit]",
+    "tests/optim_nnx_sharding_test.py::test_sharded_nnx_model_trains_like_unsharded[stale_gradients-auto]",
+    "tests/optim_nnx_sharding_test.py::test_sharded_nnx_model_trains_like_unsharded[async_nesterov-explicit]",
+    "tests/optim_nnx_sharding_test.py::test_sharded_nnx_model_trains_like_unsharded[wp_adam-explicit]",
+    "tests/optim_nnx_sharding_test.py::test_sharded_nnx_model_trains_like_unsharded[basis_rotation-explicit]",
+    # -> [variance_reduced_adam] and the cheaper transforms.
+    "tests/optim_state_test.py::test_jit_under_explicit_auto_and_no_sharding_agree[stale_gradients]",
+    "tests/optim_state_test.py::test_jit_under_explicit_auto_and_no_sharding_agree[wp_option2]",
+    "tests/optim_state_test.py::test_jit_under_explicit_auto_and_no_sharding_agree[stale_optimizer]",
+    "tests/optim_state_test.py::test_jit_under_explicit_auto_and_no_sharding_agree[wp_option3]",
+    "tests/optim_state_test.py::test_jit_under_explicit_auto_and_no_sharding_agree[wp_option1]",
+    "tests/optim_state_test.py::test_jit_under_explicit_auto_and_no_sharding_agree[dc_diagonal_ema]",
+    "tests/optim_state_test.py::test_jit_under_explicit_auto_and_no_sharding_agree[async_nesterov]",
+    # -> [wp_option1-standard] and the cheaper transforms.
+    "tests/optim_state_test.py::test_orbax_round_trip_continues_bit_for_bit[dc_diagonal_ema-standard]",
+    "tests/optim_state_test.py::test_orbax_round_trip_continues_bit_for_bit[stale_gradients-standard]",
+    "tests/optim_state_test.py::test_orbax_round_trip_continues_bit_for_bit[wp_option2-standard]",
+    "tests/optim_state_test.py::test_orbax_round_trip_continues_bit_for_bit[async_nesterov-standard]",
+    "tests/optim_state_test.py::test_orbax_round_trip_continues_bit_for_bit[wp_option3-standard]",
+    "tests/optim_state_test.py::test_orbax_round_trip_continues_bit_for_bit[stale_optimizer-standard]",
+    # -> [cast_weight] and [token_ids].
+    "tests/split_backward_test.py::test_bi_and_bw_equal_jax_vjp[last_stage]",
+    "tests/split_backward_test.py::test_bi_and_bw_equal_jax_vjp[flax]",
+    # -> [gpipe-recompute].
+    "tests/stage_keys_test.py::test_dropout_executor_equals_oracle[zb-h1-residuals]",
+    # -> [zb-h1-residuals].
+    "tests/stage_state_test.py::test_metrics_and_state_equal_the_oracle[1f1b-recompute]",
+    # -> [pipedream-<lambda>].
+    "tests/sync_test.py::test_executor_and_observed_staleness_equal_the_oracle[hetpipe-<lambda>0]",
+}
+
+# Whole tests that run in the slow suite only, each 7 s or more on 2 cores;
+# the capability after the arrow keeps a quick test.
+SLOW_TESTS = {
+    # -> the other launch_test and faults_test runs of launch.py.
+    "tests/launch_test.py::test_default_launch_trains_to_90_percent",
+    "tests/launch_test.py::test_workdir_that_is_a_file_or_read_only_is_refused",
+    "tests/simulated_sync_test.py::test_a_config_row_runs_through_launch_and_logs_simulated_seconds",
+    # -> checkpoint_test's resumed runs ending bit for bit.
+    "tests/trainer_test.py::test_a_finished_pipedream_run_extended_equals_the_longer_run",
+    "tests/run_path_test.py::test_a_workdir_with_window_named_checkpoints_resumes_bit_for_bit",
+    "tests/checkpoint_test.py::test_unfinished_save_is_ignored_and_last_good_resumed",
+    "tests/run_path_test.py::test_windows_where_no_minibatch_finished_log_no_loss",
+    # -> drain_test.
+    "tests/trainer_test.py::test_pipedream_writes_the_drained_weights",
+    "tests/trainer_test.py::test_a_flush_schedules_drain_changes_nothing",
+    # -> optim_wp_test, optim_dc_test and folding_test's dc on pipedream.
+    "tests/executor_update_rules_test.py::test_sapipe_weight_prediction_equals_a_data_parallel_loop",
+    "tests/executor_update_rules_test.py::test_sapipe_dc_compensates_its_own_delay_on_a_flush_schedule",
+    "tests/executor_test.py::test_executor_passes_stale_params_to_delay_compensation",
+    # -> test_gpipe_equals_unpipelined_sgd.
+    "tests/gpipe_executor_test.py::test_gpipe_gradient_equals_unpipelined_gradient",
+    # -> executor_copies_test's stacked layout.
+    "tests/executor_test.py::test_stacked_layout_equals_packed_and_the_oracle",
+    # -> sync_test's WSP executor and staleness tests.
+    "tests/sync_test.py::test_wsp_observed_staleness_reaches_but_never_exceeds_s_global",
 }
 
 
 def pytest_collection_modifyitems(config, items):
-  del config
+  """Marks SLOW_VARIANTS and SLOW_TESTS slow; an entry that names no test
+  of a file that was collected is an error (a renamed test or parameter
+  would otherwise run in the quick suite unnoticed)."""
+  ids = {item.nodeid for item in items}
+  families = {i.split("[")[0] for i in ids}
+  files = {i.split("::")[0] for i in ids}
+  whole_files = not any("::" in str(a) for a in config.args)
+  stale = sorted(e for e in SLOW_VARIANTS | SLOW_TESTS
+                 if whole_files and e.split("::")[0] in files
+                 and e not in ids and e not in families)
+  if stale:
+    raise pytest.UsageError(f"tests/conftest.py names tests that do not "
+                            f"exist: {', '.join(stale)}")
   for item in items:
-    if item.nodeid in SLOW_VARIANTS:
+    if item.nodeid in SLOW_VARIANTS or item.nodeid.split("[")[0] in SLOW_TESTS:
       item.add_marker(pytest.mark.slow)
+
+

@@ -95,19 +95,25 @@ def _check(name, P, placement="consecutive", D=1, optimizer=None, sync=None,
         np.testing.assert_array_equal(a, b)
 
 
-_QUICK = {("pipedream", 1), ("1f1b", 2), ("zb-h1", 1)}
+def _quick_or_slow(cases, quick):
+  """`pytest.param`s of `cases` (tuples), those not in `quick` marked slow
+  (marks must be there at collection for `-m "not slow"` to see them)."""
+  return [pytest.param(*c, marks=() if c in quick else pytest.mark.slow)
+          for c in cases]
 
 
-@pytest.mark.parametrize("P", [1, 2])
-@pytest.mark.parametrize("name", sp.schedules.names())
-def test_every_schedule_folded_equals_the_oracle(request, name, P):
-  if (name, P) not in _QUICK:
-    request.applymarker(pytest.mark.slow)
-  _check(name, P, unfolded=(name, P) in _QUICK)
+_QUICK = {("pipedream", 1), ("1f1b", 2)}
+
+
+@pytest.mark.parametrize("name,P", _quick_or_slow(
+    [(n, P) for n in sp.schedules.names() for P in (1, 2)], _QUICK))
+def test_every_schedule_folded_equals_the_oracle(name, P):
+  _check(name, P, unfolded=(name, P) in _QUICK | {("zb-h1", 1)})
 
 
 @pytest.mark.parametrize("placement,name,P,remat", [
-    ("loop", "1f1b", 2, "recompute"), ("v", "zb-h1", 2, "residuals"),
+    ("loop", "1f1b", 2, "recompute"),
+    pytest.param("v", "zb-h1", 2, "residuals", marks=pytest.mark.slow),
     pytest.param("loop", "pipedream", 2, "residuals", marks=pytest.mark.slow),
     pytest.param("v", "no-stash", 2, "recompute", marks=pytest.mark.slow),
     pytest.param("loop", "zb-h2", 2, "residuals", marks=pytest.mark.slow)])
@@ -127,11 +133,9 @@ _POLICIES = {
 }
 
 
-@pytest.mark.parametrize("policy", list(_POLICIES))
-def test_sync_policies_folded_onto_one_device_equal_the_oracle(request,
-                                                                policy):
-  if policy not in ("wsp", "ad_psgd"):
-    request.applymarker(pytest.mark.slow)
+@pytest.mark.parametrize("policy", _quick_or_slow(
+    [(p,) for p in _POLICIES], {("ad_psgd",)}))
+def test_sync_policies_folded_onto_one_device_equal_the_oracle(policy):
   name, make = _POLICIES[policy]
   _check(name, 1, D=2, sync=make)
 
@@ -153,18 +157,17 @@ _RULES = {
 }
 
 
-@pytest.mark.parametrize("rule", list(_RULES))
-@pytest.mark.parametrize("P", [1, 2])
-def test_update_rules_folded_equal_the_oracle(request, rule, P):
-  if (rule, P) not in {("spectrain", 1), ("clip", 2), ("dc", 1)}:
-    request.applymarker(pytest.mark.slow)
+@pytest.mark.parametrize("rule,P", _quick_or_slow(
+    [(r, P) for r in _RULES for P in (1, 2)],
+    {("spectrain", 1), ("dc", 1)}))
+def test_update_rules_folded_equal_the_oracle(rule, P):
   name, make = _RULES[rule]
   # SpecTrain's own staleness is defined for one micro-batch a minibatch.
   _check(name, P, optimizer=make(), M=1 if rule == "spectrain" else 2)
 
 
-@pytest.mark.parametrize("P,placement", [
-    (1, "consecutive"), pytest.param(2, "v", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("P,placement", [(1, "consecutive"), (2, "v")])
 def test_basis_rotation_folded_equals_the_s_device_executor(P, placement):
   """Basis rotation turns rounding into steps where a gradient is rank-
   deficient (docs/optim.md: O(1) between two programs on this MLP, even in
@@ -188,6 +191,7 @@ def test_basis_rotation_folded_equals_the_s_device_executor(P, placement):
     np.testing.assert_allclose(a, b, atol=1e-10, rtol=1e-10)
 
 
+@pytest.mark.slow
 def test_evaluate_folded_equals_evaluate_on_s_devices():
   schedule = _schedule("1f1b")
   staged = sp.models.split(sp.models.mlp(8, 6, 3, 4, seed=4), 4)
