@@ -10,6 +10,7 @@ process with one `launch.py: error: ...` line and a non-zero exit status.
 
 import datetime
 import faulthandler
+import functools
 import logging as py_logging
 import os
 import sys
@@ -221,8 +222,9 @@ def main(config, argv: Sequence[str], workdir: str | None,
   from stalepipe.train import trainer  # pylint: disable=g-import-not-at-top
   differ = peers.same_config(config.to_json(sort_keys=True),
                              distributed.init_timeout)
-  if differ:
-    error(differ)
+  if differ:  # every process refuses; process 0, the coordinator, last
+    error(differ, then=functools.partial(peers.refused,
+                                         distributed.init_timeout))
   try:
     parts = build.parts(config)
   except ValueError as e:

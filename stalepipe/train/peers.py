@@ -113,6 +113,24 @@ def same_config(config_json: str, timeout: float) -> str | None:
   return line
 
 
+def refused(timeout: float) -> None:
+  """Leaves a run that every process refuses (`same_config`) in order.
+
+  Process 0 hosts the coordination service: leaving first, it took the
+  service along while another process was still between the barrier and its
+  own line, which then died on the lost service instead of saying why. The
+  others say they are leaving; process 0 waits (up to `timeout` s) for them.
+  Call after this process's line is out.
+  """
+  me, client = jax.process_index(), _client()
+  if me != 0:
+    client.key_value_set(f"{_PREFIX}/refused/{me}", "1", allow_overwrite=True)
+    return
+  for p in range(1, jax.process_count()):
+    client.blocking_key_value_get(f"{_PREFIX}/refused/{p}",
+                                  int(timeout * 1000))
+
+
 def _try_get(client, key: str) -> str | None:
   try:
     return client.key_value_try_get(key)

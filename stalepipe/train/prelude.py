@@ -31,15 +31,27 @@ DEFAULT_CONFIG = os.path.relpath(
                  "default.py"))
 
 
-def error(message: Any, code: int = 1):
+def error(message: Any, code: int = 1,
+          then: Callable[[], None] | None = None):
   """Prints `launch.py: error: message` and ends the process at once.
 
   `os._exit`: no interpreter teardown, so no library thread (orbax's, JAX's
   distributed client waiting on a dead peer) can keep it alive or dump.
+
+  Args:
+    message: the one line.
+    code: the exit status.
+    then: runs after the line is out and before the exit (e.g. leaving a
+      multi-process run in order, `peers.refused`).
   """
   sys.stdout.flush()
   sys.stderr.write(f"launch.py: error: {' '.join(str(message).split())}\n")
   sys.stderr.flush()
+  if then is not None:
+    try:
+      then()
+    except Exception:  # pylint: disable=broad-except
+      pass  # the line is out; leave anyway
   os._exit(code)  # pylint: disable=protected-access
 
 
