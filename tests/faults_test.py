@@ -290,3 +290,52 @@ def test_processes_with_different_configs_each_refuse_in_one_line(tmp_path):
         "valid: the same --config and --config.* flags on every process"), (
             err[-3000:])
   assert not (tmp_path / "metrics.jsonl").exists()
+
+
+# Imported by process 1 only (PYTHONPATH): `build.parts` sleeps first, so
+# process 0 reaches its line well before.
+_HOLD_BUILD = """
+import importlib.abc, importlib.machinery, sys, time
+class _Hold(importlib.abc.MetaPathFinder):
+  def find_spec(self, name, path, target=None):
+    if name != "stalepipe.train.build":
+      return None
+    sys.meta_path.remove(self)
+    spec = importlib.machinery.PathFinder.find_spec(name, path)
+    run = spec.loader.exec_module
+    def exec_module(module):
+      run(module)
+      parts = module.parts
+      module.parts = lambda config: (time.sleep(5), parts(config))[1]
+    spec.loader.exec_module = exec_module
+    return spec
+sys.meta_path.insert(0, _Hold())
+"""
+
+
+@pytest.mark.slow
+def test_a_config_no_process_can_build_is_refused_by_each_in_one_line(
+    tmp_path):
+  """Every process says why, also one that gets there 5 s after process 0
+  (which hosts the coordinator and leaves last); none says it lost it."""
+  (tmp_path / "hold").mkdir()
+  (tmp_path / "hold" / "sitecustomize.py").write_text(_HOLD_BUILD)
+  port, procs = _free_port(), []
+  for i in range(2):
+    env = dict(os.environ, JAX_PLATFORMS="cpu",
+               XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    if i == 1:
+      env["PYTHONPATH"] = str(tmp_path / "hold")
+    procs.append(subprocess.Popen(
+        [sys.executable, "launch.py", "--config=configs/pipedream.py",
+         "--config.num_replicas=1", f"--workdir={tmp_path / 'w'}",
+         f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2",
+         f"--process_id={i}"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True))
+  for proc in procs:
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 1 and err.strip().splitlines()[-1] == (
+        "launch.py: error: mesh num_replicas x stage devices = 4 devices "
+        "leaves some of the 2 processes without a device; valid: exactly 8 "
+        "(all devices of all processes)"), err[-3000:]
+  assert not (tmp_path / "w" / "metrics.jsonl").exists()

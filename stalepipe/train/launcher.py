@@ -220,15 +220,19 @@ def main(config, argv: Sequence[str], workdir: str | None,
   from stalepipe.train import build  # pylint: disable=g-import-not-at-top
   from stalepipe.train import peers  # pylint: disable=g-import-not-at-top
   from stalepipe.train import trainer  # pylint: disable=g-import-not-at-top
+  # What every process refuses alike, process 0 (the coordinator) leaves
+  # last: leaving first, it takes the service from a peer not yet at its line.
+  # A peer that did not refuse is not waited on past a minute.
+  in_order = functools.partial(peers.refused,
+                               min(distributed.init_timeout, 60.0))
   differ = peers.same_config(config.to_json(sort_keys=True),
                              distributed.init_timeout)
-  if differ:  # every process refuses; process 0, the coordinator, last
-    error(differ, then=functools.partial(peers.refused,
-                                         distributed.init_timeout))
+  if differ:
+    error(differ, then=in_order)
   try:
     parts = build.parts(config)
-  except ValueError as e:
-    error(e)
+  except ValueError as e:  # the same config: every process refuses
+    error(e, then=in_order if jax.process_count() > 1 else None)
   if jax.process_index() == 0:
     check_workdir(workdir)
     print(f"config {prelude.config_name(argv)} (resolved: "

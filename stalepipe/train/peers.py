@@ -114,7 +114,8 @@ def same_config(config_json: str, timeout: float) -> str | None:
 
 
 def refused(timeout: float) -> None:
-  """Leaves a run that every process refuses (`same_config`) in order.
+  """Leaves a run that every process refuses in order: configs that differ
+  (`same_config`), or one config that cannot be built.
 
   Process 0 hosts the coordination service: leaving first, it took the
   service along while another process was still between the barrier and its
