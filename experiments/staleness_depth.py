@@ -10,10 +10,11 @@ validation loss (`test_loss` in metrics.jsonl, every `eval_every` steps)
 first falls to the target, linearly interpolated between that evaluation and
 the one before it (the first evaluation itself if it is already there); a run
 that never gets there is "not reached". For each (method, S) the steps are
-the mean over seeds, and the slowdown is that mean over the same method's
-mean at S = 1. A (method, S) with a seed that did not reach the target has
-no mean: its slowdown is at least (the steps it ran) / (S = 1's steps),
-written `>x`.
+the mean over seeds, and the slowdown is the mean over the seeds that both it
+and the same method's S = 1 have, over S = 1's mean over those seeds (so a
+cell of fewer seeds is never divided by other seeds' runs). A (method, S)
+with a seed that did not reach the target has no mean: its slowdown is at
+least (the steps it ran) / (S = 1's steps), written `>x`.
 
 The default target is the worst of the S = 1 methods' validation losses at
 `--target_fraction` of their training (each method's mean over seeds at the
@@ -128,29 +129,38 @@ def default_target(runs, fraction: float) -> float:
 def table(runs, target: float) -> dict[str, dict[int, dict]]:
   """{method: {S: {"seeds", "steps" (mean or None), "at_least" (the fewest
   steps run by a seed that did not reach it, or None), "slowdown",
-  "slowdown_at_least"}}} over the runs that finished or diverged."""
-  rows = {}
+  "slowdown_at_least", "slowdown_seeds"}}} over the runs that finished or
+  diverged; the slowdowns are over the seeds the cell shares with S = 1."""
+  rows, reached = {}, {}
   for (method, stages), seeds in sorted(runs.items()):
     ended = {s: r for s, r in seeds.items() if r["status"] != "unfinished"}
     if not ended:
       continue
-    reached = {s: steps_to_target(r["steps"], r["losses"], target)
-               for s, r in ended.items()}
-    missed = [float(ended[s]["steps"][-1]) if ended[s]["steps"].size
-              else 0.0 for s, v in reached.items() if v is None]
+    mine = reached[method, stages] = {
+        s: steps_to_target(r["steps"], r["losses"], target)
+        for s, r in ended.items()}
+    missed = {s: float(ended[s]["steps"][-1]) if ended[s]["steps"].size
+              else 0.0 for s, v in mine.items() if v is None}
     rows.setdefault(method, {})[stages] = {
         "seeds": sorted(ended),
-        "steps": (None if missed else
-                  float(np.mean(list(reached.values())))),
-        "at_least": min(missed) if missed else None}
-  for row in rows.values():
-    base = row.get(1, {}).get("steps")
-    for cell in row.values():
-      cell["slowdown"] = (cell["steps"] / base
-                          if base and cell["steps"] is not None else None)
-      cell["slowdown_at_least"] = (cell["at_least"] / base
-                                   if base and cell["at_least"] is not None
-                                   else None)
+        "steps": None if missed else float(np.mean(list(mine.values()))),
+        "at_least": min(missed.values()) if missed else None,
+        "missed": missed}
+  for method, row in rows.items():
+    base = reached.get((method, 1), {})
+    for stages, cell in row.items():
+      shared = sorted(set(cell["seeds"]) & set(base))
+      base_steps = [base[s] for s in shared]
+      ok = bool(shared) and None not in base_steps
+      steps = [reached[method, stages][s] for s in shared]
+      missed = [cell["missed"][s] for s in shared if s in cell["missed"]]
+      mean_base = float(np.mean(base_steps)) if ok else None
+      cell["slowdown_seeds"] = shared if ok else []
+      cell["slowdown"] = (float(np.mean(steps)) / mean_base
+                          if ok and not missed else None)
+      cell["slowdown_at_least"] = (min(missed) / mean_base
+                                   if ok and missed else None)
+      del cell["missed"]
   return rows
 
 
@@ -166,15 +176,20 @@ def _cell(cell: dict | None) -> str:
   return f"{cell['steps']:.0f}{ratio}"
 
 
+def _seeds(row: dict) -> str:
+  counts = sorted({len(cell["seeds"]) for cell in row.values()})
+  return "/".join(map(str, counts))
+
+
 def markdown(rows, target: float) -> str:
   """`| method | S=1 | S=2 | ... |`: steps to the target (slowdown)."""
   stages = sorted({s for row in rows.values() for s in row})
-  lines = [f"Steps to validation loss {target:.4f} (slowdown over S=1; mean "
-           "over seeds, seeds per cell in the JSON)", "",
-           "| method | " + " | ".join(f"S={s}" for s in stages) + " |",
-           "|---|" + "---:|" * len(stages)]
+  lines = [f"Steps to validation loss {target:.4f} (slowdown over S=1 on the "
+           "same seeds; mean over seeds, which per cell in the JSON)", "",
+           "| method | seeds | " + " | ".join(f"S={s}" for s in stages) + " |",
+           "|---|---:|" + "---:|" * len(stages)]
   for method, row in rows.items():
-    lines.append(f"| {method} | " +
+    lines.append(f"| {method} | {_seeds(row)} | " +
                  " | ".join(_cell(row.get(s)) for s in stages) + " |")
   return "\n".join(lines)
 

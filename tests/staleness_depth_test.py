@@ -22,6 +22,9 @@ CURVES = {
     "m-S8-0": [4.0, 3.5, 3.0, 2.6],
     "m-S8-1": [4.0, 3.5, 2.5, 2.0],
     "n-S1-0": [5.0, 4.0, 3.0, 2.0],
+    "n-S4-0": [5.0, 4.0, 3.0, 2.5],
+    "n-S4-1": [5.0, 2.5, 2.0, 2.0],  # n has no S=1 run of seed 1
+    "m-S32-2": [4.0, 3.0, 2.0, 2.0],  # nor m of seed 2
     "m-S16-0": [4.0],  # unfinished: no summary.json, no error
 }
 
@@ -69,6 +72,15 @@ def test_steps_to_target_and_slowdown_by_hand(tmp_path):
   # S=2 diverged at its first evaluation; S=16 is unfinished (no cell).
   assert m["2"]["at_least"] == 10.0 and "16" not in m
   assert result["rows"]["n"]["1"]["slowdown"] == pytest.approx(1.0)
+  # A slowdown is over the seeds both cells have: n at S=4 averages seeds 0
+  # (40) and 1 (20), but is divided as seed 0 alone, by n's S=1 (35).
+  n = result["rows"]["n"]
+  assert n["4"]["steps"] == pytest.approx(30.0)
+  assert n["4"]["slowdown"] == pytest.approx(40.0 / 35.0)
+  assert n["4"]["slowdown_seeds"] == [0]
+  # m at S=32 ran seed 2 only, which S=1 lacks: steps, but no slowdown.
+  assert m["32"]["steps"] == pytest.approx(25.0)
+  assert m["32"]["slowdown"] is None and m["32"]["slowdown_seeds"] == []
 
 
 def test_default_target_is_the_worst_s1_method_at_the_fraction(tmp_path):
