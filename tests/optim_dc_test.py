@@ -9,6 +9,7 @@ import optax
 import pytest
 
 import stalepipe as sp
+from tests import executor_update_rules_test as rules
 
 
 def _np_dc(g, dx, lam, form, adaptive, eps, ms=None):
@@ -131,6 +132,40 @@ def test_masked_and_partition_forward_stale_params():
     out, _ = jax.jit(opt.update)(g, opt.init(params), params, stale_params=then)
     np.testing.assert_allclose(np.ravel(out["a"]), want_a, rtol=1e-6)
     np.testing.assert_array_equal(out["b"], g["b"])
+
+
+@pytest.mark.parametrize("form,adaptive", [("full", "current"),
+                                           ("diagonal", "ema")])
+def test_delay_0_from_an_executor_without_stale_params_is_a_fresh_gradient(
+    form, adaptive):
+  """The executor passes `staleness=` always and `stale_params=` only on a
+  stale schedule: without them the gradient was computed on `params`, so it
+  passes unchanged, with the state as if `stale_params=params`."""
+  rng = np.random.default_rng(4)
+  params, g = _tree(rng), _tree(rng)
+  dc = sp.optim.delay_compensation(0.7, form=form, adaptive=adaptive, delay=0)
+  state = dc.init(params)
+  out, fresh = dc.update(g, state, params, staleness=jnp.int32(0))
+  for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(g)):
+    np.testing.assert_array_equal(a, b)
+  _, given = dc.update(g, state, params, stale_params=params)
+  for a, b in zip(jax.tree.leaves(fresh), jax.tree.leaves(given)):
+    np.testing.assert_array_equal(a, b)
+
+
+def test_delay_0_at_one_stage_trains_as_without_compensation():
+  """PipeDream on one stage has no stale gradient: DC(delay=0) there trains
+  as the bare optimizer does, executor and oracle alike (it was refused)."""
+  schedule = sp.schedules.make("pipedream", num_stages=1, num_microbatches=2,
+                               num_minibatches=3)
+  adam = optax.adam(1e-2)
+  dc = optax.chain(sp.optim.delay_compensation(0.7, form="full",
+                                               adaptive="current", delay=0),
+                   adam)
+  staged, got = rules._run_both(schedule, dc, 1)
+  want = rules._plain(schedule, adam, staged, 1)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_array_equal(a, b)
 
 
 def test_bad_inputs_raise():

@@ -164,7 +164,10 @@ def delay_compensation(
     form: `"diagonal"` or `"full"`; the full form never builds a matrix.
     delay: calls between the gradient's weights and now, used when
       `stale_params` is not given; `delay=0` keeps no history and then
-      requires `stale_params`.
+      requires `stale_params`, except from a pipeline executor (which passes
+      `staleness=` always and `stale_params=` only where its schedule makes
+      gradients stale): there a gradient without `stale_params` was computed
+      on `params`, and passes unchanged (:math:`\Delta x = 0`).
     adaptive: `None`, `"ema"` or `"current"`.
     eps: :math:`\epsilon` of the adaptive forms.
     decay: :math:`\beta` of the `"ema"` mean square.
@@ -209,13 +212,15 @@ def delay_compensation(
 
   def update_fn(updates, state, params=None, *, stale_params=None,
                 **extra_args: Any):
-    del extra_args
     if params is None:
       raise ValueError("delay_compensation needs params=; valid: the params "
                        "the update will be applied to")
     if stale_params is None and delay == 0:
-      raise ValueError("delay_compensation(delay=0) got stale_params=None; "
-                       "valid: pass stale_params= or use delay >= 1")
+      if "staleness" not in extra_args:
+        raise ValueError("delay_compensation(delay=0) got stale_params=None; "
+                         "valid: pass stale_params= or use delay >= 1")
+      stale_params = params  # the executor's contract: a fresh gradient
+    del extra_args
     slot = 0 if delay <= 1 else state.count % delay  # static: in-place update
     if stale_params is None:
       then = jax.tree.map(lambda h: h[slot], state.history)
