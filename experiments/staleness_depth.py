@@ -1,8 +1,8 @@
 """Steps to a target validation loss against pipeline depth, and the slowdown.
 
   python experiments/staleness_depth.py --runs='runs/staleness_depth/*' \
-      [--target_loss=L | --target_fraction=0.25] [--out_dir=DIR] \
-      [--write_figures]
+      [--target_loss=L | --target_fraction=0.25] [--loss_at=96,192,288] \
+      [--out_dir=DIR] [--write_figures]
 
 Reads the workdirs of configs/experiments/staleness_depth.py, named
 `<method>-S<stages>-<seed>`. A run's steps to the target is where its
@@ -46,6 +46,10 @@ _TARGET_LOSS = flags.DEFINE_float(
 _TARGET_FRACTION = flags.DEFINE_float(
     "target_fraction", 0.25, "Fraction of the S = 1 runs' steps at which "
     "the default target is read.", lower_bound=0.0, upper_bound=1.0)
+
+_LOSS_AT = flags.DEFINE_list(
+    "loss_at", [], "Steps at which to also tabulate each (method, S)'s "
+    "validation loss, mean over seeds (the last evaluation at or before).")
 
 _NAME = re.compile(r"^(.+)-S(\d+)-(\d+)$")
 _NAN_STOP = re.compile(r"launch.py: error: loss is -?(nan|inf)")
@@ -194,6 +198,26 @@ def markdown(rows, target: float) -> str:
   return "\n".join(lines)
 
 
+def losses_at(runs, steps: list[int]) -> str:
+  """Markdown: `| method | S | seeds | loss at each step |`, the mean over
+  the finished seeds (`loss_at`), "-" where a seed ran fewer steps."""
+  lines = ["Validation loss (mean over seeds)", "",
+           "| method | S | seeds | " + " | ".join(f"step {s}" for s in steps)
+           + " |", "|---|---:|---:|" + "---:|" * len(steps)]
+  for (method, stages), seeds in sorted(runs.items()):
+    done = [r for r in seeds.values() if r["status"] == "done"]
+    if not done:
+      continue
+    cells = []
+    for step in steps:
+      at = [loss_at(r["steps"], r["losses"], step) for r in done
+            if r["steps"][-1] >= step]
+      cells.append(f"{np.mean(at):.3f}" if len(at) == len(done) else "-")
+    lines.append(f"| {method} | {stages} | {len(done)} | "
+                 + " | ".join(cells) + " |")
+  return "\n".join(lines)
+
+
 def plot(runs, rows, target: float, path: str) -> None:
   """Validation loss against steps, one panel per method (a line per S and
   seed), and the slowdown against S (log-log), one line per method."""
@@ -243,6 +267,8 @@ def main(argv):
   rows = table(runs, target)
   harness.record("staleness_depth", {"target_loss": target, "rows": rows})
   text = markdown(rows, target)
+  if _LOSS_AT.value:
+    text += "\n\n" + losses_at(runs, [int(s) for s in _LOSS_AT.value])
   print(text)
   if harness.OUT_DIR.value:
     with open(os.path.join(harness.OUT_DIR.value, "staleness_depth.md"),

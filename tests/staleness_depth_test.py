@@ -58,7 +58,7 @@ def _table(root: pathlib.Path, *flags: str) -> dict:
 
 def test_steps_to_target_and_slowdown_by_hand(tmp_path):
   _fake_runs(tmp_path / "exp")
-  result = _table(tmp_path, "--target_loss=2.5")
+  result = _table(tmp_path, "--target_loss=2.5", "--loss_at=20,35,50")
   m = result["rows"]["m"]
   # S=1: seed 0 crosses 2.5 between 20 (3.0) and 30 (2.0): 20 + 10 * 0.5;
   # seed 1 is at 2.5 at step 20: 10 + 10 * 1.5 / 1.5.
@@ -81,6 +81,13 @@ def test_steps_to_target_and_slowdown_by_hand(tmp_path):
   # m at S=32 ran seed 2 only, which S=1 lacks: steps, but no slowdown.
   assert m["32"]["steps"] == pytest.approx(25.0)
   assert m["32"]["slowdown"] is None and m["32"]["slowdown_seeds"] == []
+  # --loss_at: m at S=1, seeds 0 and 1 at step 20 (3.0, 2.5); at 35 their
+  # step-30 evaluations (2.0, 2.0); at 50 beyond their 40 steps. n's one
+  # seed. The unfinished m at S=16 and the diverged m at S=2 have no row.
+  text = (tmp_path / "out" / "staleness_depth.md").read_text()
+  assert "| m | 1 | 2 | 2.750 | 2.000 | - |" in text
+  assert "| n | 1 | 1 | 4.000 | 3.000 | - |" in text
+  assert "| m | 16 |" not in text and "| m | 2 |" not in text
 
 
 def test_default_target_is_the_worst_s1_method_at_the_fraction(tmp_path):

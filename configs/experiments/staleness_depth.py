@@ -40,7 +40,7 @@ def get_config(arg=None):
       seed=arg.seed, schedule="pipedream", num_stages=arg.stages,
       stage_devices=1, num_replicas=1, num_microbatches=M,
       microbatch_size=16 // M, minibatches_per_window=8, optimizer="adam",
-      weight_decay=0.01, weight_decay_mode="decoupled", num_steps=600,
+      weight_decay=0.01, weight_decay_mode="decoupled", num_steps=288,
       eval_every=24, checkpoint_every=0, plots=False), **METHODS[arg.method])
   config.dataset_kwargs.seq_len = 64
   config.model_kwargs.update(d_model=arg.d_model, num_layers=32)
