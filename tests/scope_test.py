@@ -51,7 +51,7 @@ def _close(got, want, atol=2e-6):
 
 
 @pytest.mark.parametrize("name,make_optimizer,D", [
-    ("1f1b", _clip, 2), pytest.param("gpipe", _clip, 1, marks=pytest.mark.slow),
+    pytest.param("1f1b", _clip, 2, marks=pytest.mark.slow), ("gpipe", _clip, 1),
     pytest.param("zb-h1", _clip, 1, marks=pytest.mark.slow),
     pytest.param("1f1b", _full_dc, 1, marks=pytest.mark.slow)])
 def test_whole_model_rule_equals_unpipelined_training(name, make_optimizer, D):
