@@ -29,9 +29,12 @@ SLOW_VARIANTS = {
     "tests/sync_test.py::test_executor_and_observed_staleness_equal_the_oracle[hetpipe-<lambda>1]",
     "tests/sync_test.py::test_executor_and_observed_staleness_equal_the_oracle[1f1b-<lambda>]",
     "tests/sync_test.py::test_executor_and_observed_staleness_equal_the_oracle[timeprest-<lambda>]",
-    # -> [2-boundaries1].
+    # -> [2-1f1b] and [2-pipedream]; drain_test runs 2bw, stage_state_test zb-h1.
+    "tests/executor_test.py::test_executor_equals_reference[2-2bw]",
+    "tests/executor_test.py::test_executor_equals_reference[2-zb-h1]",
+    # -> [1-boundaries3].
     "tests/gpipe_executor_test.py::test_gpipe_equals_unpipelined_sgd[2-boundaries2]",
-    "tests/gpipe_executor_test.py::test_gpipe_equals_unpipelined_sgd[1-boundaries3]",
+    "tests/gpipe_executor_test.py::test_gpipe_equals_unpipelined_sgd[2-boundaries1]",
     # -> wp1 with a sync policy; pipemare and spectrain alone stay quick.
     "tests/executor_update_rules_test.py::test_update_rule_with_a_sync_policy_executor_equals_oracle[pipemare-hetpipe-options0-<lambda>-2-2]",
     "tests/executor_update_rules_test.py::test_update_rule_with_a_sync_policy_executor_equals_oracle[spectrain-pipedream-options1-<lambda>-4-1]",
@@ -143,6 +146,8 @@ SLOW_TESTS = {
     "tests/sync_test.py::test_wsp_observed_staleness_reaches_but_never_exceeds_s_global",
     # -> optim_dc_test's fresh gradient without stale_params.
     "tests/optim_dc_test.py::test_delay_0_at_one_stage_trains_as_without_compensation",
+    # -> test_dropout_executor_equals_oracle.
+    "tests/stage_keys_test.py::test_dropout_on_a_flush_schedule_equals_unpipelined_training",
 }
 
 

@@ -12,7 +12,7 @@ from stalepipe.pipeline import reference
 
 
 @pytest.mark.parametrize("name,S,M", [
-    ("pipedream", 3, 2), pytest.param("2bw", 2, 2, marks=pytest.mark.slow),
+    pytest.param("pipedream", 3, 2, marks=pytest.mark.slow), ("2bw", 2, 2),
     pytest.param("1f1b", 2, 2, marks=pytest.mark.slow)])
 def test_drain_equals_the_oracles_and_applies_every_update(name, S, M):
   B, D, windows = 2, 1, 2
