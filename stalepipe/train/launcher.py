@@ -232,7 +232,7 @@ def main(config, argv: Sequence[str], workdir: str | None,
   try:
     parts = build.parts(config)
   except ValueError as e:  # the same config: every process refuses
-    error(e, then=in_order if jax.process_count() > 1 else None)
+    error(e, then=in_order)
   if jax.process_index() == 0:
     check_workdir(workdir)
     print(f"config {prelude.config_name(argv)} (resolved: "

@@ -121,8 +121,10 @@ def refused(timeout: float) -> None:
   service along while another process was still between the barrier and its
   own line, which then died on the lost service instead of saying why. The
   others say they are leaving; process 0 waits (up to `timeout` s) for them.
-  Call after this process's line is out.
+  Call after this process's line is out. Nothing on a single process.
   """
+  if jax.process_count() == 1:
+    return
   me, client = jax.process_index(), _client()
   if me != 0:
     client.key_value_set(f"{_PREFIX}/refused/{me}", "1", allow_overwrite=True)
