@@ -270,16 +270,10 @@ _free_port = launching.free_port
 
 @pytest.mark.slow
 def test_processes_with_different_configs_each_refuse_in_one_line(tmp_path):
-  port, procs = _free_port(), []
-  for i, extra in enumerate(([], ["--config.num_steps=200"])):
-    env = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS="--xla_force_host_platform_device_count=4")
-    procs.append(subprocess.Popen(
-        [sys.executable, "launch.py", "--config=configs/pipedream.py",
-         *extra, f"--workdir={tmp_path}",
-         f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2",
-         f"--process_id={i}"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True))
+  port = _free_port()
+  procs = [launching.peer(i, port, "--config=configs/pipedream.py", *extra,
+                          f"--workdir={tmp_path}")
+           for i, extra in enumerate(([], ["--config.num_steps=200"]))]
   for i, proc in enumerate(procs):
     _, err = proc.communicate(timeout=300)
     last = err.strip().splitlines()[-1]
@@ -320,18 +314,11 @@ def test_a_config_no_process_can_build_is_refused_by_each_in_one_line(
   (which hosts the coordinator and leaves last); none says it lost it."""
   (tmp_path / "hold").mkdir()
   (tmp_path / "hold" / "sitecustomize.py").write_text(_HOLD_BUILD)
-  port, procs = _free_port(), []
-  for i in range(2):
-    env = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS="--xla_force_host_platform_device_count=4")
-    if i == 1:
-      env["PYTHONPATH"] = str(tmp_path / "hold")
-    procs.append(subprocess.Popen(
-        [sys.executable, "launch.py", "--config=configs/pipedream.py",
-         "--config.num_replicas=1", f"--workdir={tmp_path / 'w'}",
-         f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2",
-         f"--process_id={i}"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True))
+  port = _free_port()
+  procs = [launching.peer(i, port, "--config=configs/pipedream.py",
+                          "--config.num_replicas=1",
+                          f"--workdir={tmp_path / 'w'}", env=env)
+           for i, env in enumerate(({}, {"PYTHONPATH": str(tmp_path / "hold")}))]
   for proc in procs:
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 1 and err.strip().splitlines()[-1] == (

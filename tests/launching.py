@@ -31,3 +31,17 @@ def free_port() -> int:
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
     return s.getsockname()[1]
+
+
+def peer(i: int, port: int, *args, devices: int = 4, env=None
+         ) -> subprocess.Popen:
+  """Process `i` of a two-process `launch.py *args` on 127.0.0.1:`port`,
+  `devices` emulated CPU devices each (`env` added)."""
+  env = dict(os.environ, JAX_PLATFORMS="cpu",
+             XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+             **(env or {}))
+  return subprocess.Popen(
+      [sys.executable, "launch.py", *args,
+       f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2",
+       f"--process_id={i}"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+      stderr=subprocess.PIPE, text=True)

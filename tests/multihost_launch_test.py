@@ -44,11 +44,7 @@ def _params(workdir) -> dict[str, np.ndarray]:
 
 def _two_processes(workdir, *flags):
   port = _free_port()
-  procs = [subprocess.Popen(
-      [sys.executable, "launch.py", *FLAGS, *flags, f"--workdir={workdir}",
-       f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2",
-       f"--process_id={i}"], cwd=ROOT, env=_env(4), stdout=subprocess.PIPE,
-      stderr=subprocess.PIPE, text=True) for i in range(2)]
+  procs = [_process(workdir, port, i, *flags) for i in range(2)]
   outs = [p.communicate(timeout=300) for p in procs]
   for p, (_, err) in zip(procs, outs):
     assert p.returncode == 0, err[-3000:]
@@ -90,11 +86,7 @@ def test_partial_multihost_flags_are_a_one_line_error(tmp_path):
 
 
 def _process(workdir, port, i, *flags):
-  return subprocess.Popen(
-      [sys.executable, "launch.py", *FLAGS, *flags, f"--workdir={workdir}",
-       f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2",
-       f"--process_id={i}"], cwd=ROOT, env=_env(4), stdout=subprocess.PIPE,
-      stderr=subprocess.PIPE, text=True)
+  return launching.peer(i, port, *FLAGS, *flags, f"--workdir={workdir}")
 
 
 @pytest.mark.parametrize("present", [0, 1])
