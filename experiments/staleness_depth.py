@@ -135,7 +135,7 @@ def table(runs, target: float) -> dict[str, dict[int, dict]]:
   steps run by a seed that did not reach it, or None), "slowdown",
   "slowdown_at_least", "slowdown_seeds"}}} over the runs that finished or
   diverged; the slowdowns are over the seeds the cell shares with S = 1."""
-  rows, reached = {}, {}
+  rows, reached, missed = {}, {}, {}  # missed: the steps a seed ran
   for (method, stages), seeds in sorted(runs.items()):
     ended = {s: r for s, r in seeds.items() if r["status"] != "unfinished"}
     if not ended:
@@ -143,13 +143,13 @@ def table(runs, target: float) -> dict[str, dict[int, dict]]:
     mine = reached[method, stages] = {
         s: steps_to_target(r["steps"], r["losses"], target)
         for s, r in ended.items()}
-    missed = {s: float(ended[s]["steps"][-1]) if ended[s]["steps"].size
-              else 0.0 for s, v in mine.items() if v is None}
+    short = missed[method, stages] = {
+        s: float(ended[s]["steps"][-1]) if ended[s]["steps"].size else 0.0
+        for s, v in mine.items() if v is None}
     rows.setdefault(method, {})[stages] = {
         "seeds": sorted(ended),
-        "steps": None if missed else float(np.mean(list(mine.values()))),
-        "at_least": min(missed.values()) if missed else None,
-        "missed": missed}
+        "steps": None if short else float(np.mean(list(mine.values()))),
+        "at_least": min(short.values()) if short else None}
   for method, row in rows.items():
     base = reached.get((method, 1), {})
     for stages, cell in row.items():
@@ -157,14 +157,14 @@ def table(runs, target: float) -> dict[str, dict[int, dict]]:
       base_steps = [base[s] for s in shared]
       ok = bool(shared) and None not in base_steps
       steps = [reached[method, stages][s] for s in shared]
-      missed = [cell["missed"][s] for s in shared if s in cell["missed"]]
+      short = [missed[method, stages][s] for s in shared
+               if s in missed[method, stages]]
       mean_base = float(np.mean(base_steps)) if ok else None
       cell["slowdown_seeds"] = shared if ok else []
       cell["slowdown"] = (float(np.mean(steps)) / mean_base
-                          if ok and not missed else None)
-      cell["slowdown_at_least"] = (min(missed) / mean_base
-                                   if ok and missed else None)
-      del cell["missed"]
+                          if ok and not short else None)
+      cell["slowdown_at_least"] = (min(short) / mean_base
+                                   if ok and short else None)
   return rows
 
 
