@@ -106,8 +106,8 @@ def build(name, remat, lowering, staged, mesh, x, y, pipeline=None,
           "max_in_flight": list(schedule.with_minibatches(6 * B).max_in_flight),
           "buffer_slots": pipe.program.num_slots,
           "activation_bytes": shard_bytes(state.buffers),
-          "residual_bytes": shard_bytes(state.buffers.residuals),
-          "op_cotangent_bytes": shard_bytes(state.buffers.op_cotangents),
+          "residual_bytes": shard_bytes([b.residuals for b in state.buffers]),
+          "op_cotangent_bytes": shard_bytes([b.op_cotangents for b in state.buffers]),
           "temp_bytes": int(memory.temp_size_in_bytes)}
   if with_ops:
     info["op_tasks"] = trace_names.task_of_ops(step_fn.as_text())

@@ -148,6 +148,29 @@ def test_emptying_deleted_keeps_the_directory_orbax_renames_into(tmp_path):
   ckpt.close()
 
 
+def test_state_of_another_layout_is_refused_in_one_line_and_kept(tmp_path):
+  # A checkpoint of another version of stalepipe (here: one state leaf
+  # named otherwise) is neither restored nor set aside as corrupt.
+  state = {"ring": np.arange(4.0, dtype=np.float32),
+           "step": np.zeros((), np.int32)}
+  ckpt = checkpoint.Checkpointer(str(tmp_path), keep=1)
+  ckpt.save(3, state, {"step": 3}, {"seed": 0})
+  ckpt.wait()
+  abstract = jax.tree.map(
+      lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype),
+      {"ring": (state["ring"],), "step": state["step"]})
+  with pytest.raises(ValueError, match=r"checkpoint .*/3 holds a state laid "
+                     r"out otherwise .*\(leaves ring, ring_0 differ\); "
+                     r"valid: the version that wrote it, or a new "
+                     r"--workdir") as e:
+    ckpt.restore(abstract, {"seed": 0})
+  assert "\n" not in str(e.value)
+  assert sorted(p.name for p in tmp_path.iterdir() if p.name.isdigit()) == [
+      "3"]
+  assert not (tmp_path / "corrupt").exists()
+  ckpt.close()
+
+
 def test_unfinished_save_is_ignored_and_last_good_resumed(tmp_path):
   config = tiny(num_steps=8)
   trainer.train_and_evaluate(config, str(tmp_path))

@@ -225,8 +225,8 @@ def test_folded_under_auto_axes_equals_the_oracle():
                                       ("v", 8, 4), ("consecutive", 6, 1)])
 def test_every_stage_sends_to_its_neighbours_exactly_once(name, S, P):
   placement = placement_lib.make(name, S, P)
-  assert sorted(placement.order.tolist()) == list(range(S))
-  assert (placement.order[placement.rows] == np.arange(S)).all()
+  assert sorted(placement.stages.ravel().tolist()) == list(range(S))
+  assert all(placement.stages[placement.where(s)] == s for s in range(S))
   for step in (1, -1):
     received = {}
     for hop in placement.hops(step):

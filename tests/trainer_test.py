@@ -100,7 +100,7 @@ def _run_and_drain(parts, num_windows: int, oracle: bool):
     pipe = parts.pipeline
 
     def updates(state):
-      return np.asarray(state.ring.latest)
+      return pipe.updates_applied(state)
   state = pipe.init(parts.staged.stage_params)
   for window in range(num_windows):
     state, _ = pipe.step(state, *parts.batch(window))

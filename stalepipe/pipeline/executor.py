@@ -103,12 +103,11 @@ def run_window(ctx: tick_lib.Stages, state: PipelineState, inputs, targets,
       stage_state=local(state.stage_state, j),
       arrivals=tick_lib.nothing_arrived(ctx))
                   for j in range(ctx.placement.num_slots))
-  table = jax.tree.map(
+  table = tick_lib.with_closing_tick(jax.tree.map(
       lambda c: jax.lax.dynamic_index_in_dim(c, jnp.minimum(step, K - 1),
-                                             keepdims=False), tables)
+                                             keepdims=False), tables))
   carries, _ = jax.lax.scan(functools.partial(tick_lib.tick, ctx, window),
                             carries, (table, tick_lib.busy_rows(table)))
-  carries = [tick_lib.file_arrivals(ctx, c) for c in carries]
   total = lambda get: jax.lax.psum(sum(get(c) for c in carries), STAGE)  # pylint: disable=unnecessary-lambda-assignment
   num_losses = total(lambda c: c.num_losses)
   mean = lambda value: jax.lax.pmean(value, DATA) / jnp.where(  # pylint: disable=unnecessary-lambda-assignment
@@ -295,17 +294,26 @@ class Pipeline:
       return np.asarray(jax.device_get(x))
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
-  def _per_device(self, tree):
+  def _per_device(self, tree) -> tuple[Any, ...]:
     """Per-stage leaves `[S, ...]` in stage order, the same on every
-    replica: `[D, S, ...]`, rows in the placement's order."""
-    order = self.placement.order
-    return jax.tree.map(
-        lambda v: self._put(np.broadcast_to(np.asarray(v)[order], (
-            self.num_replicas,) + np.shape(v)), _PER_DEVICE), tree)
+    replica, as the state holds them: slot by slot, slot j's `[D, P, ...]`
+    holding on device d stage `placement.stages[d, j]` (`state.py`)."""
+    D = self.num_replicas
+    return tuple(jax.tree.map(
+        lambda v, j=j: self._put(np.broadcast_to(
+            np.asarray(v)[self.placement.stages[:, j]],
+            (D, self.placement.num_devices) + np.shape(v)[1:]), _PER_DEVICE),
+        tree) for j in range(self.placement.num_slots))
 
-  def _stage_rows(self, x) -> np.ndarray:
-    """Replica rows `[D, S, ...]` of a state leaf, in stage order."""
-    return self._fetch(x)[:, self.placement.rows]
+  def _stage_rows(self, slots, field: Callable = lambda v: v) -> np.ndarray:
+    """Replica rows `[D, S, ...]`, in stage order, of a per-stage field held
+    slot by slot (`field` picks the leaf from each slot's tree)."""
+    blocks = [self._fetch(field(tree)) for tree in slots]
+    rows = np.empty(blocks[0].shape[:1] + (len(self.stage_fns),)
+                    + blocks[0].shape[2:], blocks[0].dtype)
+    for j, block in enumerate(blocks):
+      rows[:, self.placement.stages[:, j]] = block
+    return rows
 
   def init(self, stage_params: Sequence[Any],
            stage_states: Sequence[Any] | None = None) -> PipelineState:
@@ -342,13 +350,18 @@ class Pipeline:
 
   def params(self, state: PipelineState, replica: int = 0) -> tuple[Any, ...]:
     """The latest weights of the S stages held by data replica `replica`."""
-    versions = self._stage_rows(state.ring.versions)[replica]
-    latest = self._stage_rows(state.ring.latest)[replica]
+    versions = self._stage_rows(state.ring, lambda r: r.versions)[replica]
+    latest = self._stage_rows(state.ring, lambda r: r.latest)[replica]
     slots = [int(np.argmax(versions[s] == latest[s]))
              for s in range(len(self.stage_fns))]
-    flat = {k: self._stage_rows(v)[replica][np.arange(len(slots)), slots]
-            for k, v in state.ring.params.items()}
+    flat = {k: self._stage_rows(state.ring, lambda r, k=k: r.params[k])[
+        replica][np.arange(len(slots)), slots] for k in state.ring[0].params}
     return self._param_packing.unpack_all(flat)
+
+  def updates_applied(self, state: PipelineState) -> np.ndarray:
+    """The updates each stage has applied, `[D, S]` (replicas, stages in
+    stage order), on every process."""
+    return self._stage_rows(state.ring, lambda r: r.latest)
 
   def stage_states(self, state: PipelineState,
                    replica: int = 0) -> tuple[Any, ...] | None:
@@ -356,8 +369,8 @@ class Pipeline:
     for a stage without; None if no stage has one)."""
     if state.stage_state is None:
       return None
-    flat = {k: self._stage_rows(v)[replica]
-            for k, v in state.stage_state.items()}
+    flat = {k: self._stage_rows(state.stage_state, lambda t, k=k: t[k])[
+        replica] for k in state.stage_state[0]}
     return stage_lib.given_states(self._wants,
                                   self._state_packing.unpack_all(flat))
 
@@ -622,9 +635,10 @@ class Pipeline:
   def _allocate(self, state, inputs, targets) -> PipelineState:
     """Zero activation buffers and input history, on first use."""
     ctx = self._stages(inputs, targets)
-    D, S, C = self.num_replicas, len(self.stage_fns), self.program.num_slots
+    D, P, C = (self.num_replicas, self.placement.num_devices,
+               self.program.num_slots)
     rows = lambda lengths: {k: self._put(  # pylint: disable=unnecessary-lambda-assignment
-        np.zeros((D, S, C + 1, n), k), _PER_DEVICE)  # + scratch
+        np.zeros((D, P, C + 1, n), k), _PER_DEVICE)  # + scratch
                             for k, n in lengths.items()}
     kept = lambda layout: {} if layout is None else rows(layout.packing.lengths)  # pylint: disable=unnecessary-lambda-assignment
     H, B = self.program.history, self.schedule.num_minibatches
@@ -632,9 +646,10 @@ class Pipeline:
         lambda x: self._put(np.zeros((H * B,) + x.shape[1:], x.dtype),
                             _WINDOW), tree)
     return state._replace(
-        buffers=Buffers(rows(ctx.boundaries.acts.lengths),
-                        rows(ctx.boundaries.cots.lengths),
-                        kept(ctx.residuals), kept(ctx.split)),
+        buffers=tuple(Buffers(rows(ctx.boundaries.acts.lengths),
+                              rows(ctx.boundaries.cots.lengths),
+                              kept(ctx.residuals), kept(ctx.split))
+                      for _ in range(self.placement.num_slots)),
         history=InputHistory(past(inputs), past(targets)))
 
   def _build_step(self, inputs, targets) -> Callable:

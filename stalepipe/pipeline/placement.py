@@ -71,17 +71,6 @@ class Placement(NamedTuple):
   def num_stages(self) -> int:
     return self.stages.size
 
-  @property
-  def order(self) -> np.ndarray:
-    """The stage held in each row of a `[S, ...]` state leaf sharded over
-    'stage' (row d*F + j: device d, slot j)."""
-    return self.stages.reshape(-1)
-
-  @property
-  def rows(self) -> np.ndarray:
-    """The row of each stage in a state leaf (the inverse of `order`)."""
-    return np.argsort(self.order)
-
   def where(self, stage: int) -> tuple[int, int]:
     """(device, slot) of `stage`."""
     d, j = np.argwhere(self.stages == stage)[0]

@@ -52,7 +52,8 @@ class Instructions(NamedTuple):
   evict: np.ndarray  # the version the update overwrites, as a lag; -1: empty
 
 
-_NONE = ("recv_forward", "recv_backward", "evict")  # columns whose blank is -1
+# Columns whose blank is -1 (the others' is 0).
+BLANK_MINUS_ONE = ("recv_forward", "recv_backward", "evict")
 
 
 class Program(NamedTuple):
@@ -182,7 +183,8 @@ def _window_table(stream: Schedule, starts: list[int], k: int, *,
                   evict: dict) -> Instructions:
   """Window k's instructions, columns `[num_ticks, S]`."""
   B, M, S = window_minibatches, stream.num_microbatches, stream.num_stages
-  table = {name: np.full((num_ticks, S), -1 if name in _NONE else 0, np.int32)
+  table = {name: np.full((num_ticks, S), -1 if name in BLANK_MINUS_ONE else 0,
+                         np.int32)
            for name in Instructions._fields}
   for t in stream.tasks:
     if not starts[k] <= t.tick < starts[k + 1]:

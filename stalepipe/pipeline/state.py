@@ -1,17 +1,18 @@
 """What a pipeline carries between windows and between ticks, as typed trees.
 
-Every leaf of `PipelineState` holds all replicas and stages: `[D, S, ...]`
-for what lives with one stage of one replica, sharded over ('data',
-'stage'); row r of the S holds stage `placement.order[r]`. Inside the
-shard_map program each device sees its own `[1, F, ...]` block (F stages a
-device), which `local` cuts into the per-stage views the tick functions
-work on.
+What lives with one stage of one replica is held slot by slot: each such
+field of `PipelineState` is a tuple of F trees (F stages a device, in its
+local slots, `placement.py`), slot j's leaves `[D, P, ...]` sharded over
+('data', 'stage'), holding on device d the stage `placement.stages[d, j]`.
+Inside the shard_map program each device sees its own `[1, 1, ...]` block of
+each slot, which `local` reads as the per-stage view the tick functions work
+on without moving a byte: a folded device's rings and buffers are not cut
+out of one array and stacked back every window.
 """
 
 from typing import Any, NamedTuple, Sequence
 
 import jax
-import jax.numpy as jnp
 
 from stalepipe.pipeline import packing
 
@@ -19,23 +20,23 @@ from stalepipe.pipeline import packing
 class WeightRing(NamedTuple):
   """A stage's weight versions (its stash), in a ring of R slots."""
 
-  params: packing.Flat  # dtype -> [D, S, R, L]: one packed version a slot
-  versions: jax.Array  # int32 [D, S, R]: the version in each slot; -1 empty
-  latest: jax.Array  # int32 [D, S]: updates the stage has applied
+  params: packing.Flat  # dtype -> [D, P, R, L]: one packed version a slot
+  versions: jax.Array  # int32 [D, P, R]: the version in each slot; -1 empty
+  latest: jax.Array  # int32 [D, P]: updates the stage has applied
 
 
 class Buffers(NamedTuple):
   """Per stage, C slots of micro-batches between their tasks, and a scratch
   slot (index C) that ticks with nothing to file write instead."""
 
-  acts: packing.Flat  # dtype -> [D, S, C+1, A]: a stage's inputs (a
+  acts: packing.Flat  # dtype -> [D, P, C+1, A]: a stage's inputs (a
   #   micro-batch's pytree, each leaf in its own dtype: `boundary.py`),
   #   kept for backward
-  cots: packing.Flat  # dtype -> [D, S, C+1, A']: its output cotangents (the
+  cots: packing.Flat  # dtype -> [D, P, C+1, A']: its output cotangents (the
   #   inexact leaves), until used
-  residuals: packing.Flat  # dtype -> [D, S, C+1, L_res]: the forward's
+  residuals: packing.Flat  # dtype -> [D, P, C+1, L_res]: the forward's
   #   residuals (`residuals.py`); empty with remat="recompute"
-  op_cotangents: packing.Flat  # dtype -> [D, S, C+1, L_cot]: each weight
+  op_cotangents: packing.Flat  # dtype -> [D, P, C+1, L_cot]: each weight
   #   op's output cotangent, from BI for BW (`split_backward.py`); empty
   #   unless the backward is split
 
@@ -49,17 +50,23 @@ class InputHistory(NamedTuple):
 
 
 class PipelineState(NamedTuple):
-  """Everything a pipeline carries between windows."""
+  """Everything a pipeline carries between windows; the per-stage fields
+  are tuples over a device's F local slots (the module docstring)."""
 
-  ring: WeightRing
-  opt_state: packing.Flat  # dtype -> [D, S, L_opt]: packed optimizer states
-  grads: packing.Flat  # dtype -> [D, S, L]: the minibatch being accumulated
-  buffers: Buffers | None  # None until the first step fixes the shapes
+  ring: tuple[WeightRing, ...]
+  opt_state: tuple[packing.Flat, ...]  # dtype -> [D, P, L_opt]: packed
+  #   optimizer states
+  grads: tuple[packing.Flat, ...]  # dtype -> [D, P, L]: the minibatch being
+  #   accumulated
+  buffers: tuple[Buffers, ...] | None  # None until the first step fixes the
+  #   shapes
   history: InputHistory | None  # None until the first step
-  sync: Any  # the sync policy's state (`SyncPolicy.init_state`), [D, S, ...]
+  sync: tuple[Any, ...]  # the sync policy's state (`SyncPolicy.init_state`),
+  #   [D, P, ...]
   step: jax.Array  # int32 []: windows run so far
-  stage_state: packing.Flat | None = None  # dtype -> [D, S, L_state]: the
-  #   stages' non-parameter states (`stage.py`), packed; None: no stage has one
+  stage_state: tuple[packing.Flat, ...] | None = None  # dtype -> [D, P,
+  #   L_state]: the stages' non-parameter states (`stage.py`), packed; None:
+  #   no stage has one
 
 
 class TickCarry(NamedTuple):
@@ -79,12 +86,16 @@ class TickCarry(NamedTuple):
   arrivals: Any = None  # `tick.Arrivals`: what arrived last tick, to file
 
 
-def local(tree, slot: int = 0):
-  """The view of local slot `slot` in a device's `[1, F, ...]` blocks (F
-  stages a device, `placement.py`)."""
-  return jax.tree.map(lambda v: v[0, slot], tree)
+def local(slots: Sequence[Any] | None, slot: int = 0):
+  """Local slot `slot`'s view of a per-stage field on this device: its
+  `[1, 1, ...]` blocks without their two leading axes (None stays None)."""
+  if slots is None:
+    return None
+  return jax.tree.map(lambda v: v[0, 0], slots[slot])
 
 
-def unlocal(trees: Sequence[Any]):
-  """The inverse of `local`: the F slots' views as `[1, F, ...]` blocks."""
-  return jax.tree.map(lambda *v: jnp.stack(v)[None], *trees)
+def unlocal(trees: Sequence[Any]) -> tuple[Any, ...] | None:
+  """The inverse of `local`: the F slots' views as `[1, 1, ...]` blocks."""
+  if all(tree is None for tree in trees):
+    return None
+  return tuple(jax.tree.map(lambda v: v[None, None], tree) for tree in trees)

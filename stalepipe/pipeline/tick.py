@@ -467,9 +467,13 @@ def hop(placement: placement_lib.Placement, x, hop_: placement_lib.Hop,
   agree; a `ppermute` is the dearest part of a tick on emulated CPU
   devices)."""
   P, hop = placement.num_devices, hop_
-  select = lambda devices, a, b: jax.tree.map(  # pylint: disable=unnecessary-lambda-assignment
-      lambda u, v: jnp.where(jnp.asarray(np.isin(np.arange(P), devices))[
-          device], u, v), a, b)
+
+  def select(devices, a, b):  # a on `devices`, b elsewhere
+    if len(devices) == P:  # every device (one device: all of a fold's hops)
+      return a
+    return jax.tree.map(lambda u, v: jnp.where(jnp.asarray(np.isin(
+        np.arange(P), devices))[device], u, v), a, b)
+
   if hop.local():
     into = select(hop.local(), x, into)
   remote = hop.remote()
@@ -661,10 +665,23 @@ def apply_updates(ctx: Stages, windows, carries, instrs) -> tuple:
                       tuple(carries))
 
 
+def with_closing_tick(table: program_lib.Instructions
+                      ) -> program_lib.Instructions:
+  """A window's table `[T, S]` with one blank tick after its last, in which
+  each stage only files what arrived in the last tick: so the window's loop
+  files that too (filed after the loop, XLA would copy every stage's buffers
+  to update them) and the next window's first tick has nothing to file."""
+  return program_lib.Instructions(*[
+      jnp.concatenate([c, jnp.full((1,) + c.shape[1:], -1 if name in
+                                   program_lib.BLANK_MINUS_ONE else 0,
+                                   c.dtype)])
+      for name, c in zip(program_lib.Instructions._fields, table)])
+
+
 def busy_rows(table) -> jax.Array:
   """bool [T, S]: whether a stage has anything to do in a tick of a window's
-  table: a task, or last tick's arrivals to file. (A window files its last
-  tick's arrivals after its loop, so its first tick has none.)"""
+  table: a task, or last tick's arrivals to file (`with_closing_tick`: a
+  window's first tick has none)."""
   def last_tick(column):
     return jnp.concatenate([jnp.full_like(column[:1], -1), column[:-1]])
   return ((table.kind != program_lib.IDLE)

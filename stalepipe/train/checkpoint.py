@@ -179,7 +179,8 @@ class Checkpointer:
 
     Raises:
       ValueError: if no checkpoint verifies, or the newest readable one
-        belongs to a different experiment, naming them.
+        belongs to a different experiment or holds a state of another
+        layout (written by another version of stalepipe), naming them.
     """
     for step in sorted(self._manager.all_steps(), reverse=True):
       path = os.path.join(self.directory, str(step))
@@ -200,9 +201,11 @@ class Checkpointer:
         raise ValueError(f"checkpoint {path} is incompatible with this config "
                          f"(fields {', '.join(changed)} differ); valid: the "
                          "config it was written with, or a new --workdir")
+      saved_sums = position.pop("checksums", None)
+      if saved_sums is not None:
+        _check_layout(path, saved_sums, abstract_state)
       try:
-        state = self._restore_state(step, abstract_state,
-                                    position.pop("checksums", None))
+        state = self._restore_state(step, abstract_state, saved_sums)
       except ValueError as e:
         self._skip(step, str(e))
         continue
@@ -287,6 +290,21 @@ class Checkpointer:
       self._manager.close()
     except Exception:  # pylint: disable=broad-except
       pass  # the failure was reported by save or wait
+
+
+def _check_layout(path: str, saved_sums: dict[str, int],
+                  abstract_state: Any) -> None:
+  """Refuses (one line) a checkpoint whose state leaves are not the ones
+  this pipeline holds: it was written by another version of stalepipe (its
+  state laid out otherwise), not corrupted, so it is left where it is."""
+  saved, current = set(saved_sums), set(_flat(abstract_state))
+  if saved != current:
+    differ = sorted(saved ^ current)
+    raise ValueError(
+        f"checkpoint {path} holds a state laid out otherwise than this "
+        f"version of stalepipe lays it out (leaves {', '.join(differ[:2])}"
+        f"{' ...' if len(differ) > 2 else ''} differ); valid: the version "
+        "that wrote it, or a new --workdir")
 
 
 def _position_sum(position: dict[str, Any]) -> str:

@@ -33,7 +33,6 @@ from typing import Any, Sequence
 import jax
 import ml_collections
 import numpy as np
-from jax.experimental import multihost_utils
 
 from stalepipe import sync as sync_lib
 from stalepipe.train import build
@@ -181,15 +180,14 @@ def _drain(pipe, end: loop.Run, ckpt) -> tuple[loop.Run, dict[str, Any]]:
   updates it applied to a stage) and the mean loss of the forwards it ran
   (None where it ran none)."""
   def latest(state):  # updates applied per stage, [D, S]
-    return np.asarray(multihost_utils.process_allgather(state.ring.latest,
-                                                        tiled=True))
+    return pipe.updates_applied(state)
 
   before = latest(end.state)
   state, metrics = pipe.drain(end.state)  # donates the state it drains
   n = int(metrics["num_losses"])
   loss = float(metrics["loss"]) if n else None
   if ((loss is not None and not np.isfinite(loss))
-      or not bool(hooks_lib.all_finite(state.ring.params))):
+      or not bool(hooks_lib.all_finite([r.params for r in state.ring]))):
     raise ValueError(f"loss {loss} or weights not finite in the drain after "
                      f"step {end.step}; run stopped, last good checkpoint: "
                      f"{ckpt.directory}/{ckpt.latest_step()}")
@@ -214,7 +212,7 @@ def _hooks(parts, config_dict, ckpt, writer, console, preemption):
 
   def save(run: loop.Run) -> None:
     nan_stop.check()  # a NaN loss is named as such, before the weights
-    if not bool(hooks_lib.all_finite(run.state.ring.params)):
+    if not bool(hooks_lib.all_finite([r.params for r in run.state.ring])):
       raise ValueError(f"weights are not finite after step {run.step}; run "
                        f"stopped, {last_checkpoint()}")
     ckpt.save(run.step, run.state, {"step": run.step}, config_dict)
