@@ -101,13 +101,13 @@ def run_window(ctx: tick_lib.Stages, state: PipelineState, inputs, targets,
       loss_sum=jnp.zeros((), jnp.float32), num_losses=jnp.zeros((), jnp.int32),
       metric_sums=tick_lib.zero_objective(ctx)[1],
       stage_state=local(state.stage_state, j),
-      arrivals=tick_lib.nothing_arrived(ctx))
+      outbox=tick_lib.empty_outbox(ctx))
                   for j in range(ctx.placement.num_slots))
   table = tick_lib.with_closing_tick(jax.tree.map(
       lambda c: jax.lax.dynamic_index_in_dim(c, jnp.minimum(step, K - 1),
                                              keepdims=False), tables))
   carries, _ = jax.lax.scan(functools.partial(tick_lib.tick, ctx, window),
-                            carries, (table, tick_lib.busy_rows(table)))
+                            carries, (table, tick_lib.last_tick(table)))
   total = lambda get: jax.lax.psum(sum(get(c) for c in carries), STAGE)  # pylint: disable=unnecessary-lambda-assignment
   num_losses = total(lambda c: c.num_losses)
   mean = lambda value: jax.lax.pmean(value, DATA) / jnp.where(  # pylint: disable=unnecessary-lambda-assignment

@@ -83,7 +83,7 @@ class TickCarry(NamedTuple):
   num_losses: jax.Array  # int32 []
   metric_sums: dict  # name -> float32 []: their metrics (`stage.Output`)
   stage_state: packing.Flat | None  # dtype -> [L_state]: this stage's state
-  arrivals: Any = None  # `tick.Arrivals`: what arrived last tick, to file
+  outbox: Any = None  # `tick.Outbox`: what its task sent in its last tick
 
 
 def local(slots: Sequence[Any] | None, slot: int = 0):

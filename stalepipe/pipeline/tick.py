@@ -1,17 +1,19 @@
 """One tick of the shard_map executor, as pure functions a reader can follow.
 
-In order, as `tick` runs them on every device (its stage of its replica):
+In order, as `tick` runs them on every device (each of its slots' stages):
 
-1. `run_task`: the task the stage's row of the instruction tables names. It
+1. `receive`: what the neighbours sent last tick (their `Outbox`) moves one
+   hop along 'stage' (`ppermute`, or within the device) and the receiver
+   files it in the buffer slots its row of last tick names.
+2. `run_task`: the task the stage's row of the instruction tables names. It
    reads the weights the task needs (`task_weights`: the version the
    schedule's version map names, as the update rule predicts it) and the
    micro-batch's input (`stage_input`), and runs what the task's kind
    declares (`stalepipe.schedules.kinds`): the forward, the backward, or
    both; it returns what it sends on and what it keeps (`TaskOutput`).
-2. `keep_residuals`, `exchange`, `file_arrivals`: what the task keeps (F:
-   its residuals; a split backward's BI: the weight ops' output cotangents)
-   is written into its slot, the sends move one hop along 'stage'
-   (`ppermute`) and the receiver files them in the slots its row names.
+   `keep_residuals` writes what it keeps (F: its residuals; a split
+   backward's BI: the weight ops' output cotangents) into its slot, and
+   what it sends goes into the stage's outbox.
 3. `apply_update`: at the end of the tick in which a stage's last
    weight-gradient task of a minibatch ends, the sync policy reduces the
    gradient, the optimizer steps, the policy acts on the new weights, and
@@ -459,18 +461,20 @@ def keep_residuals(carry: TickCarry, output: TaskOutput) -> TickCarry:
 
 
 def hop(placement: placement_lib.Placement, x, hop_: placement_lib.Hop,
-        device, into, recv=None):
-  """`into` (slot `hop_.dest`'s arrivals) with what this device receives
-  through `hop_`: a copy within the device, or a `ppermute` along 'stage',
-  skipped when `recv` (the stages' rows, where given) says no receiver of
-  it files anything this tick (every device sees every stage's row, so all
-  agree; a `ppermute` is the dearest part of a tick on emulated CPU
-  devices)."""
+        device, into=None, recv=None):
+  """`into` (slot `hop_.dest`'s rows so far; None: none yet) with what this
+  device receives through `hop_`: the sender's row within the device, or a
+  `ppermute` along 'stage', skipped when `recv` (the stages' rows, where
+  given) says no receiver of it files anything (every device sees every
+  stage's row, so all agree; a `ppermute` is the dearest part of a tick on
+  emulated CPU devices)."""
   P, hop = placement.num_devices, hop_
 
   def select(devices, a, b):  # a on `devices`, b elsewhere
     if len(devices) == P:  # every device (one device: all of a fold's hops)
       return a
+    if b is None:
+      b = jax.tree.map(jnp.zeros_like, a)
     return jax.tree.map(lambda u, v: jnp.where(jnp.asarray(np.isin(
         np.arange(P), devices))[device], u, v), a, b)
 
@@ -486,66 +490,60 @@ def hop(placement: placement_lib.Placement, x, hop_: placement_lib.Hop,
   return into
 
 
-def exchange(ctx: Stages, outputs: list[TaskOutput], rows,
-             device) -> list[TaskOutput]:
-  """Every send moves to the next stage (activations) or the previous one
-  (cotangents), wherever the placement holds it (`placement.Hop`); returns,
-  per slot of this device, what arrives there this tick (zeros where
-  nothing does)."""
-  arrived = [output._replace(
-      forward=jax.tree.map(jnp.zeros_like, output.forward),
-      backward=jax.tree.map(jnp.zeros_like, output.backward))
-             for output in outputs]
-  for field, recv, step in (("forward", rows.recv_forward, 1),
-                            ("backward", rows.recv_backward, -1)):
-    for h in ctx.placement.hops(step):
-      got = hop(ctx.placement, getattr(outputs[h.source], field), h, device,
-                getattr(arrived[h.dest], field), recv)
-      arrived[h.dest] = arrived[h.dest]._replace(**{field: got})
-  return arrived
+class Outbox(NamedTuple):
+  """What a slot's task sent in its last tick, which the receivers file at
+  the start of the next tick (`receive`): the rows wait in the sender's
+  carry, which its task overwrites in place. (Rows waiting in the
+  receiver's carry would be copied twice a tick: out of the sender's branch,
+  and to keep the ones they replace until filed; here XLA copies each once,
+  for the read before the overwrite.)"""
+
+  forward: packing.Flat  # dtype -> [A]: an activation, to stage s+1
+  backward: packing.Flat  # dtype -> [W, A']: cotangents, to stage s-1
 
 
-class Arrivals(NamedTuple):
-  """What arrived at a stage in a tick, filed at the start of the next one
-  (`file_arrivals`): then a buffer's write comes before the task that reads
-  it in the same tick, so XLA updates it in place instead of copying it
-  for a read it cannot order before the write."""
-
-  forward: packing.Flat  # dtype -> [A]: an activation
-  backward: packing.Flat  # dtype -> [W, A']: cotangents
-  forward_slot: jax.Array  # int32 []: its slot; C (scratch) when none came
-  backward_slots: jax.Array  # int32 [W]: theirs
+def empty_outbox(ctx: Stages) -> Outbox:
+  output = no_output(ctx)
+  return Outbox(output.forward, output.backward)
 
 
-def arrivals(ctx: Stages, received: TaskOutput, instr,
-             window: Window) -> Arrivals:
-  """What arrived this tick and the slots the stage's row names for it."""
+def file_rows(ctx: Stages, carry: TickCarry, forward, backward, previous,
+              window: Window) -> TickCarry:
+  """Files the rows that arrived (None: no hop brings any to this slot)
+  into the buffer slots the stage's row of last tick names (`previous`), or
+  the scratch slot C where it names none."""
   C, W = ctx.program.num_slots, ctx.program.backward_width
   slot = lambda at, w=0: jnp.where(at >= 0, (at + window.base + w) % C, C)  # pylint: disable=unnecessary-lambda-assignment
-  return Arrivals(received.forward, received.backward,
-                  slot(instr.recv_forward),
-                  jnp.stack([slot(instr.recv_backward, w) for w in range(W)]))
+  acts, cots = carry.buffers.acts, carry.buffers.cots
+  if forward is not None:
+    acts = {k: v.at[slot(previous.recv_forward)].set(forward[k])
+            for k, v in acts.items()}
+  if backward is not None:
+    for w in range(W):
+      cots = {k: v.at[slot(previous.recv_backward, w)].set(backward[k][w])
+              for k, v in cots.items()}
+  return carry._replace(buffers=carry.buffers._replace(acts=acts, cots=cots))
 
 
-def nothing_arrived(ctx: Stages) -> Arrivals:
-  """Zero rows for the scratch slot C: nothing to file."""
-  C, W = ctx.program.num_slots, ctx.program.backward_width
-  output = no_output(ctx)
-  return Arrivals(output.forward, output.backward, jnp.int32(C),
-                  jnp.full((W,), C, jnp.int32))
-
-
-def file_arrivals(ctx: Stages, carry: TickCarry) -> TickCarry:
-  """Files what arrived last tick (`carry.arrivals`) into its slots."""
-  got = carry.arrivals
-  acts = {k: v.at[got.forward_slot].set(got.forward[k])
-          for k, v in carry.buffers.acts.items()}
-  cots = carry.buffers.cots
-  for w in range(ctx.program.backward_width):
-    cots = {k: v.at[got.backward_slots[w]].set(got.backward[k][w])
-            for k, v in cots.items()}
-  return carry._replace(buffers=carry.buffers._replace(acts=acts, cots=cots),
-                        arrivals=nothing_arrived(ctx))
+def receive(ctx: Stages, carries: list, previous, windows: list,
+            device) -> list:
+  """Every slot files what its neighbours sent last tick (`Outbox`), moved
+  to the next stage (activations) or the previous one (cotangents),
+  wherever the placement holds it (`placement.Hop`). `previous`: every
+  stage's row of last tick."""
+  rows = {}
+  for field, recv, step in (("forward", previous.recv_forward, 1),
+                            ("backward", previous.recv_backward, -1)):
+    for h in ctx.placement.hops(step):
+      rows[field, h.dest] = hop(ctx.placement,
+                                getattr(carries[h.source].outbox, field), h,
+                                device, rows.get((field, h.dest)), recv)
+  filed = [file_rows(ctx, c, rows.get(("forward", j)),
+                     rows.get(("backward", j)),
+                     jax.tree.map(lambda column, w=w: column[w.stage],
+                                  previous), w)
+           for j, (c, w) in enumerate(zip(carries, windows))]
+  return filed
 
 
 def optimizer_step(ctx: Stages, s: int, carry: TickCarry, grads, instr):
@@ -678,44 +676,40 @@ def with_closing_tick(table: program_lib.Instructions
       for name, c in zip(program_lib.Instructions._fields, table)])
 
 
-def busy_rows(table) -> jax.Array:
-  """bool [T, S]: whether a stage has anything to do in a tick of a window's
-  table: a task, or last tick's arrivals to file (`with_closing_tick`: a
-  window's first tick has none)."""
-  def last_tick(column):
-    return jnp.concatenate([jnp.full_like(column[:1], -1), column[:-1]])
-  return ((table.kind != program_lib.IDLE)
-          | (last_tick(table.recv_forward) >= 0)
-          | (last_tick(table.recv_backward) >= 0))
+def last_tick(table: program_lib.Instructions) -> program_lib.Instructions:
+  """Every stage's row of the tick before, per tick (blank before the
+  first: a window's first tick files nothing, `with_closing_tick`)."""
+  return program_lib.Instructions(*[
+      jnp.concatenate([jnp.full_like(c[:1], -1 if name in
+                                     program_lib.BLANK_MINUS_ONE else 0),
+                       c[:-1]])
+      for name, c in zip(program_lib.Instructions._fields, table)])
 
 
-def run_slot(ctx: Stages, carry: TickCarry, instr, window: Window, busy):
-  """A slot's task with what arrived last tick filed first; a slot with
-  nothing to do skips both under one two-way `cond` (a folded device's
-  stages are idle most ticks of a deep synchronous schedule)."""
+def run_slot(ctx: Stages, carry: TickCarry, instr, window: Window):
+  """A slot's task, what it sends written over its outbox; a slot with no
+  task skips it under one two-way `cond` (a folded device's stages are idle
+  most ticks of a deep synchronous schedule)."""
   def work(c):
-    c, output = run_tasks(ctx, file_arrivals(ctx, c), instr, window)
-    return keep_residuals(c, output), output
+    c, output = run_tasks(ctx, c, instr, window)
+    return keep_residuals(c, output)._replace(
+        outbox=Outbox(output.forward, output.backward))
 
   if ctx.placement.num_slots == 1:
     return work(carry)
-  return jax.lax.cond(busy, work, lambda c: (c, no_output(ctx)), carry)
+  return jax.lax.cond(instr.kind != program_lib.IDLE, work, lambda c: c,
+                      carry)
 
 
 def tick(ctx: Stages, window: Window, carries: tuple, xs):
-  """One tick on this device: the task of each of its slots' stages, with
-  what arrived last tick filed first (`xs`: every stage's row, and whether
-  it is busy, `busy_rows`), the sends, the updates."""
-  rows, busy = xs
+  """One tick on this device: each slot files what its neighbours sent last
+  tick, runs its stage's task and writes what it sends into its outbox
+  (`xs`: every stage's row of this tick and of the last, `last_tick`), then
+  the updates."""
+  rows, previous = xs
   windows = [at_slot(ctx, window, j) for j in range(len(carries))]
   instrs = [jax.tree.map(lambda column, w=w: column[w.stage], rows)
             for w in windows]
-  done, outputs = [], []
-  for w, c, i in zip(windows, carries, instrs):
-    c, output = run_slot(ctx, c, i, w, busy[w.stage])
-    done.append(c)
-    outputs.append(output)
-  received = exchange(ctx, outputs, rows, window.device)
-  done = [c._replace(arrivals=arrivals(ctx, r, i, w))
-          for w, c, r, i in zip(windows, done, received, instrs)]
+  carries = receive(ctx, list(carries), previous, windows, window.device)
+  done = [run_slot(ctx, c, i, w) for w, c, i in zip(windows, carries, instrs)]
   return apply_updates(ctx, windows, done, instrs), None
