@@ -44,7 +44,8 @@ def analyse(staged, schedule, mesh, batch: int, hidden: int,
   pipe = executor.Pipeline(staged.stage_fns, classification_loss, schedule,
                            optax.sgd(0.1), mesh)
   depth = pipe.program.num_versions
-  pipe.program = pipe.program._replace(num_versions=depth + extra_versions)
+  pipe.program = pipe.program._replace(ring_sizes=tuple(
+      r + extra_versions for r in pipe.program.ring_sizes))
   state = pipe.init(staged.stage_params)
   x, y = common.make_batch(schedule.num_minibatches,
                            schedule.num_microbatches, 2 * batch, hidden)
@@ -61,7 +62,8 @@ def analyse(staged, schedule, mesh, batch: int, hidden: int,
       "ring_versions": depth + extra_versions,
       "stage_param_bytes": stage_bytes,
       "ring_bytes": shard_bytes([r.params for r in state.ring]),
-      "ring_over_depth_x_stage": shard_bytes([r.params for r in state.ring]) / (R * stage_bytes),
+      "ring_over_depth_x_stage": (shard_bytes([r.params for r in state.ring])
+                                  / (R * stage_bytes)),
       "argument_bytes": mem.argument_size_in_bytes,
       "state_field_bytes": fields,
       "argument_bytes_of_inputs_and_tables": shard_bytes(args),

@@ -259,7 +259,8 @@ class Pipeline:
     self.mesh = mesh
     self.sync = sync
     self.lowering = dispatch.get(lowering)
-    self.program = program_lib.compile_program(schedule)
+    self.program = program_lib.compile_program(
+        schedule, ring_groups=self.placement.stages.T)
     self._stale_schedule = contract.schedule_is_stale(schedule)
     self._param_packing = self._opt_packing = self._state_packing = None
     self._steps = {}
@@ -298,12 +299,16 @@ class Pipeline:
     """Per-stage leaves `[S, ...]` in stage order, the same on every
     replica, as the state holds them: slot by slot, slot j's `[D, P, ...]`
     holding on device d stage `placement.stages[d, j]` (`state.py`)."""
-    D = self.num_replicas
-    return tuple(jax.tree.map(
-        lambda v, j=j: self._put(np.broadcast_to(
-            np.asarray(v)[self.placement.stages[:, j]],
-            (D, self.placement.num_devices) + np.shape(v)[1:]), _PER_DEVICE),
-        tree) for j in range(self.placement.num_slots))
+    return self._put_slots([
+        jax.tree.map(lambda v, j=j: np.asarray(v)[self.placement.stages[:, j]],
+                     tree) for j in range(self.placement.num_slots)])
+
+  def _put_slots(self, slots: Sequence[Any]) -> tuple[Any, ...]:
+    """Each slot's tree of `[P, ...]` leaves onto the mesh, the same on
+    every replica: `[D, P, ...]`."""
+    return tuple(jax.tree.map(lambda v: self._put(np.broadcast_to(
+        v, (self.num_replicas,) + np.shape(v)), _PER_DEVICE), tree)
+                 for tree in slots)
 
   def _stage_rows(self, slots, field: Callable = lambda v: v) -> np.ndarray:
     """Replica rows `[D, S, ...]`, in stage order, of a per-stage field held
@@ -331,15 +336,10 @@ class Pipeline:
                                        stage_params)
     self._param_packing = self.layout(stage_params)
     self._opt_packing = self.layout(opt_states)
-    S, R = len(self.stage_fns), self.program.num_versions
     params = self._param_packing.pack_all(stage_params)
-    ring = {k: np.zeros((S, R) + v.shape[1:], v.dtype) for k, v in params.items()}
-    for k, v in params.items():  # version 0 in slot 0; the other slots empty
-      ring[k][:, 0] = np.asarray(v)
-    versions = np.full((S, R), -1, np.int32)
-    versions[:, 0] = 0
     return PipelineState(
-        ring=self._per_device(WeightRing(ring, versions, np.zeros(S, np.int32))),
+        ring=self._put_slots([self._initial_ring(params, stages)
+                              for stages in self.placement.stages.T]),
         opt_state=self._per_device(self._opt_packing.pack_all(opt_states)),
         grads=self._per_device(jax.tree.map(jnp.zeros_like, params)),
         buffers=None, history=None,
@@ -348,15 +348,32 @@ class Pipeline:
         stage_state=None if states is None else self._per_device(
             self._state_packing.pack_all(states)))
 
+  def _initial_ring(self, params, stages: np.ndarray) -> WeightRing:
+    """The rings of `stages` (one slot's, one per device) with version 0 in
+    ring slot 0 and the others empty, `[P, R, ...]` (R: the slot's ring
+    size, `Program.ring_sizes`)."""
+    R = self.program.ring_sizes[stages[0]]
+    ring = {k: np.zeros((len(stages), R) + v.shape[1:], v.dtype)
+            for k, v in params.items()}
+    for k, v in params.items():
+      ring[k][:, 0] = np.asarray(v)[stages]
+    versions = np.full((len(stages), R), -1, np.int32)
+    versions[:, 0] = 0
+    return WeightRing(ring, versions, np.zeros(len(stages), np.int32))
+
   def params(self, state: PipelineState, replica: int = 0) -> tuple[Any, ...]:
     """The latest weights of the S stages held by data replica `replica`."""
-    versions = self._stage_rows(state.ring, lambda r: r.versions)[replica]
-    latest = self._stage_rows(state.ring, lambda r: r.latest)[replica]
-    slots = [int(np.argmax(versions[s] == latest[s]))
-             for s in range(len(self.stage_fns))]
-    flat = {k: self._stage_rows(state.ring, lambda r, k=k: r.params[k])[
-        replica][np.arange(len(slots)), slots] for k in state.ring[0].params}
-    return self._param_packing.unpack_all(flat)
+    rows = {}
+    for j, ring in enumerate(state.ring):
+      versions, latest = (self._fetch(ring.versions)[replica],
+                          self._fetch(ring.latest)[replica])
+      flat = {k: self._fetch(v)[replica] for k, v in ring.params.items()}
+      for d, s in enumerate(self.placement.stages[:, j]):
+        at = int(np.argmax(versions[d] == latest[d]))
+        rows[int(s)] = {k: v[d, at] for k, v in flat.items()}
+    return self._param_packing.unpack_all(
+        {k: np.stack([rows[s][k] for s in range(len(self.stage_fns))])
+         for k in rows[0]})
 
   def updates_applied(self, state: PipelineState) -> np.ndarray:
     """The updates each stage has applied, `[D, S]` (replicas, stages in

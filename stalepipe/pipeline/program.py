@@ -62,9 +62,15 @@ class Program(NamedTuple):
   tables: Instructions  # columns [K, T, S]; window k >= K-1 uses [-1]
   kinds: tuple[str, ...]  # the task kinds the schedule uses, in code order
   num_slots: int  # C: activation/cotangent buffer slots per stage
-  num_versions: int  # R: weight versions a stage keeps (its stash ring)
+  ring_sizes: tuple[int, ...]  # per stage, the weight versions its stash
+  #   ring holds (R_s; `evict` is planned for it)
   history: int  # H: earlier windows whose inputs tasks still read
   backward_width: int  # micro-batches one backward covers (M for nF1B)
+
+  @property
+  def num_versions(self) -> int:
+    """R: the most versions any stage's ring holds."""
+    return max(self.ring_sizes)
 
   def kind_code(self, name: str) -> int:
     """The code of task kind `name` in the tables."""
@@ -135,46 +141,64 @@ def _check_gradients_grouped(schedule: Schedule):
       current = t.minibatch
 
 
-def _plan_versions(schedule: Schedule) -> tuple[dict, int]:
-  """Which stashed version each update overwrites, and the ring size.
+def _ring_evictions(updates: list[int], reads: dict[int, int], size: int
+                    ) -> dict[int, int] | None:
+  """One stage's ring of `size` slots over its updates (their ticks, in
+  order): at each, the lag of the version it overwrites (the oldest no later
+  task reads) or -1 for an empty slot; None if some update finds no slot."""
+  ring, latest, evict = {0}, 0, {}
+  for u in updates:
+    if len(ring) < size:
+      evict[u] = -1
+    else:
+      dead = [x for x in ring if reads.get(x, -1) <= u]
+      if not dead:
+        return None
+      evict[u] = latest - min(dead)
+      ring.remove(min(dead))
+    latest += 1
+    ring.add(latest)
+  return evict
 
-  Each stage keeps its weight versions in a ring of R slots. When an update
-  makes version a+1, it overwrites the oldest version no later task reads
-  (or an empty slot); R is the most versions ever needed at once.
+
+def _plan_versions(schedule: Schedule, ring_groups=None
+                   ) -> tuple[dict, tuple[int, ...]]:
+  """Which stashed version each update overwrites, and each stage's ring size.
+
+  Each stage keeps its weight versions in a ring. When an update makes
+  version a+1, it overwrites the oldest version no later task reads (or an
+  empty slot). A stage's ring holds the most versions it ever needs at once,
+  or, for the stages of one of `ring_groups` (held as one array, so of one
+  size: the stages in one slot of a placement), the most any of them needs.
 
   Returns:
     `(stage, update tick) -> lag of the version overwritten, or -1 (empty)`,
-    and R.
+    and the ring size of each stage.
   """
-  reads = {}  # (stage, version) -> last tick it is read
+  S = schedule.num_stages
+  reads = [{} for _ in range(S)]  # stage -> {version: last tick it is read}
   for t in schedule.tasks:
-    key = (t.stage, schedule.task_version(t))
-    reads[key] = max(reads.get(key, -1), t.tick)
+    v = schedule.task_version(t)
+    reads[t.stage][v] = max(reads[t.stage].get(v, -1), t.tick)
   for (s, p), u in schedule.update_ticks.items():  # its stale_params
     v = schedule.gradient_version(s, p)
-    reads[(s, v)] = max(reads.get((s, v), -1), u)
-  updates = sorted((u, s) for (s, _), u in schedule.update_ticks.items())
-  R = 1
-  while True:
-    ring = {s: {0} for s in range(schedule.num_stages)}
-    latest = {s: 0 for s in range(schedule.num_stages)}
-    evict, ok = {}, True
-    for u, s in updates:
-      a = latest[s]
-      if len(ring[s]) < R:
-        evict[(s, u)] = -1
-      else:
-        dead = [x for x in ring[s] if reads.get((s, x), -1) <= u]
-        if not dead:
-          ok = False
-          break
-        evict[(s, u)] = a - min(dead)
-        ring[s].remove(min(dead))
-      ring[s].add(a + 1)
-      latest[s] = a + 1
-    if ok:
-      return evict, R
-    R += 1
+    reads[s][v] = max(reads[s].get(v, -1), u)
+  updates = [sorted(u for (t, _), u in schedule.update_ticks.items() if t == s)
+             for s in range(S)]
+  needed = []
+  for s in range(S):
+    size = 1
+    while _ring_evictions(updates[s], reads[s], size) is None:
+      size += 1
+    needed.append(size)
+  sizes = list(needed)
+  for group in () if ring_groups is None else ring_groups:
+    for s in group:
+      sizes[s] = max(needed[t] for t in group)
+  evict = {(s, u): lag for s in range(S)
+           for u, lag in _ring_evictions(updates[s], reads[s],
+                                         sizes[s]).items()}
+  return evict, tuple(sizes)
 
 
 def _window_table(stream: Schedule, starts: list[int], k: int, *,
@@ -217,12 +241,15 @@ def _window_table(stream: Schedule, starts: list[int], k: int, *,
   return Instructions(**table)
 
 
-def compile_program(schedule: Schedule) -> Program:
+def compile_program(schedule: Schedule, ring_groups=None) -> Program:
   """Turns `schedule` (its window of B minibatches) into instruction tables.
 
   Args:
     schedule: the schedule of one window; it is rebuilt over a longer stream
       (`Schedule.with_minibatches`) to find the steady state.
+    ring_groups: sets of stages whose rings are one array (the stages in one
+      slot of a placement, `placement.py`), so of one size; default: each
+      stage's ring holds the versions it needs.
 
   Returns:
     The program.
@@ -242,7 +269,7 @@ def compile_program(schedule: Schedule) -> Program:
         (u, p) for (_, p), u in stream.update_ticks.items()]
     oldest = min(p - k * B for k in range(K) for tick, p in events
                  if starts[k] <= tick < starts[k + 1])
-    evict, num_versions = _plan_versions(stream)
+    evict, ring_sizes = _plan_versions(stream, ring_groups)
     kinds = tuple(k for k in kinds_lib.KINDS
                   if any(t.kind == k for t in stream.tasks))
     layout = dict(
@@ -264,7 +291,7 @@ def compile_program(schedule: Schedule) -> Program:
   kept = tables[:first_steady + 1]
   return Program(
       tables=Instructions(*[np.stack(column) for column in zip(*kept)]),
-      kinds=kinds, num_slots=layout["num_slots"], num_versions=num_versions,
+      kinds=kinds, num_slots=layout["num_slots"], ring_sizes=ring_sizes,
       history=layout["history"],
       backward_width=M if stream.backward_covers_minibatch else 1)
 
