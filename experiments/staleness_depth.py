@@ -132,7 +132,8 @@ def default_target(runs, fraction: float) -> float:
 
 def table(runs, target: float) -> dict[str, dict[int, dict]]:
   """{method: {S: {"seeds", "steps" (mean or None), "at_least" (the fewest
-  steps run by a seed that did not reach it, or None), "slowdown",
+  steps run by a seed that did not reach it, or None), "per_seed" (each
+  seed's steps, None where it did not reach it), "slowdown",
   "slowdown_at_least", "slowdown_seeds"}}} over the runs that finished or
   diverged; the slowdowns are over the seeds the cell shares with S = 1."""
   rows, reached, missed = {}, {}, {}  # missed: the steps a seed ran
@@ -149,7 +150,8 @@ def table(runs, target: float) -> dict[str, dict[int, dict]]:
     rows.setdefault(method, {})[stages] = {
         "seeds": sorted(ended),
         "steps": None if short else float(np.mean(list(mine.values()))),
-        "at_least": min(short.values()) if short else None}
+        "at_least": min(short.values()) if short else None,
+        "per_seed": {s: mine[s] for s in sorted(mine)}}
   for method, row in rows.items():
     base = reached.get((method, 1), {})
     for stages, cell in row.items():
@@ -177,7 +179,10 @@ def _cell(cell: dict | None) -> str:
     return f">{cell['at_least']:.0f}{bound}"
   ratio = (f" ({cell['slowdown']:.2f}x)" if cell["slowdown"] is not None
            else "")
-  return f"{cell['steps']:.0f}{ratio}"
+  steps = list(cell["per_seed"].values())
+  spread = (f" [{min(steps):.0f}-{max(steps):.0f}]" if len(steps) > 1
+            else "")
+  return f"{cell['steps']:.0f}{spread}{ratio}"
 
 
 def _seeds(row: dict) -> str:
@@ -188,8 +193,9 @@ def _seeds(row: dict) -> str:
 def markdown(rows, target: float) -> str:
   """`| method | S=1 | S=2 | ... |`: steps to the target (slowdown)."""
   stages = sorted({s for row in rows.values() for s in row})
-  lines = [f"Steps to validation loss {target:.4f} (slowdown over S=1 on the "
-           "same seeds; mean over seeds, which per cell in the JSON)", "",
+  lines = [f"Steps to validation loss {target:.4f}: the mean over seeds [the "
+           "fewest-most of one seed] (slowdown over S=1 on the same seeds; "
+           "which seeds per cell in the JSON)", "",
            "| method | seeds | " + " | ".join(f"S={s}" for s in stages) + " |",
            "|---|---:|" + "---:|" * len(stages)]
   for method, row in rows.items():

@@ -66,6 +66,7 @@ def test_steps_to_target_and_slowdown_by_hand(tmp_path):
   # S=4: 30 + 10 * 0.5 / 0.5 = 40 and 30 + 10 * 0.5 / 1.0 = 35.
   assert m["4"]["steps"] == pytest.approx((40.0 + 35.0) / 2)
   assert m["4"]["slowdown"] == pytest.approx(37.5 / 22.5)
+  assert m["4"]["per_seed"] == {"0": 40.0, "1": 35.0}
   # S=8: seed 0 never reaches 2.5 in its 40 steps: at least 40 / 22.5.
   assert m["8"]["steps"] is None and m["8"]["at_least"] == 40.0
   assert m["8"]["slowdown_at_least"] == pytest.approx(40.0 / 22.5)
@@ -85,6 +86,11 @@ def test_steps_to_target_and_slowdown_by_hand(tmp_path):
   # step-30 evaluations (2.0, 2.0); at 50 beyond their 40 steps. n's one
   # seed. The unfinished m at S=16 and the diverged m at S=2 have no row.
   text = (tmp_path / "out" / "staleness_depth.md").read_text()
+  # The cells: m at S=4, mean 37.5 of 35 and 40; n at S=4, one seed of two
+  # shared with S=1; m at S=8, a seed short of the target.
+  assert ("| m | 1/2 | 22 [20-25] (1.00x) | >10 (>0.40x) | 38 [35-40] "
+          "(1.67x) | >40 (>1.78x) | 25 |") in text
+  assert "| n | 1/2 | 35 (1.00x) | - | 30 [20-40] (1.14x) | - | - |" in text
   assert "| m | 1 | 2 | 2.750 | 2.000 | - |" in text
   assert "| n | 1 | 1 | 4.000 | 3.000 | - |" in text
   assert "| m | 16 |" not in text and "| m | 2 |" not in text
