@@ -41,7 +41,7 @@ from stalepipe.pipeline import program as program_lib
 from stalepipe.pipeline import residuals as residuals_lib
 from stalepipe.pipeline import split_backward as split_lib
 from stalepipe.pipeline import stage as stage_lib
-from stalepipe.pipeline.state import TickCarry, WeightRing
+from stalepipe.pipeline.state import Buffers, TickCarry, WeightRing
 from stalepipe.schedules import kinds as kinds_lib
 
 DATA, STAGE = "data", "stage"
@@ -507,14 +507,14 @@ def empty_outbox(ctx: Stages) -> Outbox:
   return Outbox(output.forward, output.backward)
 
 
-def file_rows(ctx: Stages, carry: TickCarry, forward, backward, previous,
-              window: Window) -> TickCarry:
-  """Files the rows that arrived (None: no hop brings any to this slot)
-  into the buffer slots the stage's row of last tick names (`previous`), or
-  the scratch slot C where it names none."""
+def file_rows(ctx: Stages, buffers: Buffers, forward, backward, previous,
+              window: Window) -> Buffers:
+  """`buffers` with the rows that arrived (None: no hop brings any to this
+  slot) in the buffer slots the stage's row of last tick names
+  (`previous`), or the scratch slot C where it names none."""
   C, W = ctx.program.num_slots, ctx.program.backward_width
   slot = lambda at, w=0: jnp.where(at >= 0, (at + window.base + w) % C, C)  # pylint: disable=unnecessary-lambda-assignment
-  acts, cots = carry.buffers.acts, carry.buffers.cots
+  acts, cots = buffers.acts, buffers.cots
   if forward is not None:
     acts = {k: v.at[slot(previous.recv_forward)].set(forward[k])
             for k, v in acts.items()}
@@ -522,7 +522,7 @@ def file_rows(ctx: Stages, carry: TickCarry, forward, backward, previous,
     for w in range(W):
       cots = {k: v.at[slot(previous.recv_backward, w)].set(backward[k][w])
               for k, v in cots.items()}
-  return carry._replace(buffers=carry.buffers._replace(acts=acts, cots=cots))
+  return buffers._replace(acts=acts, cots=cots)
 
 
 def receive(ctx: Stages, carries: list, previous, windows: list,
@@ -530,7 +530,8 @@ def receive(ctx: Stages, carries: list, previous, windows: list,
   """Every slot files what its neighbours sent last tick (`Outbox`), moved
   to the next stage (activations) or the previous one (cotangents),
   wherever the placement holds it (`placement.Hop`). `previous`: every
-  stage's row of last tick."""
+  stage's row of last tick. On a folded device a slot with nothing to file
+  skips it under a two-way `cond`."""
   rows = {}
   for field, recv, step in (("forward", previous.recv_forward, 1),
                             ("backward", previous.recv_backward, -1)):
@@ -538,11 +539,16 @@ def receive(ctx: Stages, carries: list, previous, windows: list,
       rows[field, h.dest] = hop(ctx.placement,
                                 getattr(carries[h.source].outbox, field), h,
                                 device, rows.get((field, h.dest)), recv)
-  filed = [file_rows(ctx, c, rows.get(("forward", j)),
-                     rows.get(("backward", j)),
-                     jax.tree.map(lambda column, w=w: column[w.stage],
-                                  previous), w)
-           for j, (c, w) in enumerate(zip(carries, windows))]
+  filed = []
+  for j, (c, w) in enumerate(zip(carries, windows)):
+    last = jax.tree.map(lambda column, w=w: column[w.stage], previous)
+    file = functools.partial(file_rows, ctx, forward=rows.get(("forward", j)),
+                             backward=rows.get(("backward", j)),
+                             previous=last, window=w)
+    buffers = file(c.buffers) if len(carries) == 1 else jax.lax.cond(
+        (last.recv_forward >= 0) | (last.recv_backward >= 0), file,
+        lambda b: b, c.buffers)
+    filed.append(c._replace(buffers=buffers))
   return filed
 
 
