@@ -8,12 +8,15 @@ minibatches, the mean gradient of the whole model over its M micro-batches
 (a `lax.scan` accumulating), then SGD. Both are timed interleaved in one run;
 the figure is the ratio executor / plain per S (median of `--repeats`),
 which is what folding costs over the work itself: the ticks, the task
-dispatch, the buffers.
+dispatch, the buffers. Each schedule of `--schedules` is timed in the same
+interleaved rounds.
 
   python experiments/folding_speed.py --stages=1,2,4,8,16,32 --repeats=5
   taskset -c 0 python experiments/folding_speed.py ...   # one core
 
-Results: `folding_speed.json` under `--out_dir` (docs/executor.md quotes it).
+Results: `folding_speed.json` under `--out_dir` and the figure
+`folding_speed.png` (the ratio against S, one line per schedule; into
+docs/figures/ with --write_figures), which docs/executor.md quotes.
 """
 
 import executor_common  # pylint: disable=g-bad-import-order,unused-import  (8 CPU devices)
@@ -34,7 +37,8 @@ from stalepipe.pipeline import executor
 STAGES = flags.DEFINE_list("stages", ["1", "2", "4", "8", "16", "32"],
                            "Stage counts S (each divides --blocks).")
 BLOCKS = flags.DEFINE_integer("blocks", 32, "Blocks of the model, fixed.")
-SCHEDULE = flags.DEFINE_string("schedule", "1f1b", "Schedule to fold.")
+SCHEDULES = flags.DEFINE_list("schedules", ["1f1b", "pipedream"],
+                              "Schedules to fold.")
 REMAT = flags.DEFINE_enum("remat", "residuals", ["residuals", "recompute"],
                           "The executor's remat (recompute adds a forward).")
 WINDOW = flags.DEFINE_integer("window", 2, "Minibatches per window, B.")
@@ -68,22 +72,26 @@ def plain_step(staged, num_microbatches: int):
 
 
 def variants(S: int, x, y) -> dict:
-  """The folded executor and the plain step for S stages, as callables."""
+  """For S stages: each schedule's folded executor and the plain step, as
+  callables."""
   H, M = flags.FLAGS.hidden, flags.FLAGS.micro
   staged = sp.models.split(sp.models.mlp(H, H, BLOCKS.value - 1, H), S)
-  schedule = executor_common.make_schedule(SCHEDULE.value, S, M, WINDOW.value)
   mesh = jax.make_mesh((1, 1), ("data", "stage"), devices=jax.devices()[:1])
-  pipe = executor.Pipeline(staged.stage_fns, cross_entropy, schedule,
-                           optax.sgd(LR), mesh, remat=REMAT.value,
-                           layout=LAYOUT.value)
-  step_fn, state, args = executor_common.step_function(
-      pipe, pipe.init(staged.stage_params), x, y)
-  box = [state]
+  runs = {}
+  for name in SCHEDULES.value:
+    schedule = executor_common.make_schedule(name, S, M, WINDOW.value)
+    pipe = executor.Pipeline(staged.stage_fns, cross_entropy, schedule,
+                             optax.sgd(LR), mesh, remat=REMAT.value,
+                             layout=LAYOUT.value)
+    step_fn, state, args = executor_common.step_function(
+        pipe, pipe.init(staged.stage_params), x, y)
+    box = [state]
 
-  def folded():
-    box[0], metrics = step_fn(box[0], *args)
-    jax.block_until_ready(metrics)
+    def folded(step_fn=step_fn, box=box, args=args):
+      box[0], metrics = step_fn(box[0], *args)
+      jax.block_until_ready(metrics)
 
+    runs[f"{name}_S{S}"] = folded
   plain = plain_step(staged, M)
   params = [jax.device_put(tuple(staged.stage_params), jax.devices()[0])]
   xs, ys = jax.device_put((x, y), jax.devices()[0])
@@ -92,7 +100,8 @@ def variants(S: int, x, y) -> dict:
     params[0], losses = plain(params[0], xs, ys)
     jax.block_until_ready(losses)
 
-  return {f"folded_S{S}": folded, f"plain_S{S}": reference}
+  runs[f"plain_S{S}"] = reference
+  return runs
 
 
 def main(argv):
@@ -109,20 +118,48 @@ def main(argv):
     runs.update(variants(S, x, y))
   times = executor_common.interleaved_samples(runs)
   rows = []
-  for S in stages:
-    folded = harness.median(times[f"folded_S{S}"])
-    plain = harness.median(times[f"plain_S{S}"])
-    ratios = [f / p for f, p in zip(times[f"folded_S{S}"],
-                                    times[f"plain_S{S}"])]
-    rows.append({"stages": S, "folded_s": folded, "plain_s": plain,
-                 "ratio": float(np.median(ratios))})
-    print(f"S={S:3d}  folded {folded * 1e3:8.1f} ms  plain "
-          f"{plain * 1e3:8.1f} ms  ratio {rows[-1]['ratio']:.2f}")
+  for name in SCHEDULES.value:
+    for S in stages:
+      folded, plain = times[f"{name}_S{S}"], times[f"plain_S{S}"]
+      rows.append({"schedule": name, "stages": S,
+                   "folded_s": harness.median(folded),
+                   "plain_s": harness.median(plain),
+                   "ratio": float(np.median([f / p for f, p in
+                                             zip(folded, plain)]))})
+      print(f"{name:10s} S={S:3d}  folded {rows[-1]['folded_s'] * 1e3:8.1f} "
+            f"ms  plain {rows[-1]['plain_s'] * 1e3:8.1f} ms  ratio "
+            f"{rows[-1]['ratio']:.2f}")
   harness.record("folding_speed", {
       "config": executor_common.config("hidden", "batch", "micro", "blocks",
-                                       "schedule", "remat", "window", "layout",
-                                       "repeats"),
+                                       "schedules", "remat", "window",
+                                       "layout", "repeats"),
       "rows": rows})
+  path = harness.figure_path("folding_speed.png")
+  if path:
+    plot(rows, path)
+
+
+def plot(rows: list[dict], path: str) -> None:
+  """The ratio folded / plain against S, one line per schedule."""
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use("Agg")
+  from matplotlib import pyplot as plt  # pylint: disable=g-import-not-at-top
+  fig, ax = plt.subplots(figsize=(5, 3.4))
+  for name in dict.fromkeys(r["schedule"] for r in rows):
+    mine = [r for r in rows if r["schedule"] == name]
+    ax.plot([r["stages"] for r in mine], [r["ratio"] for r in mine],
+            marker="o", label=name)
+  ax.axhline(1.0, color="grey", lw=0.8)
+  ax.set_xscale("log", base=2)
+  ax.set(xlabel="stages S, all on one device",
+         ylabel="folded step / plain jitted step",
+         title=f"{BLOCKS.value} blocks {flags.FLAGS.hidden}x"
+               f"{flags.FLAGS.hidden}, M={flags.FLAGS.micro}, "
+               f"B={WINDOW.value}")
+  ax.legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
 
 
 if __name__ == "__main__":
