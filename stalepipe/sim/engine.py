@@ -230,12 +230,13 @@ def simulate(schedule: core.Schedule, cluster: cluster_lib.Cluster,
   for s in range(S):  # newer one is in
     kept[s, plan.backward_version[s][plan.backward_version[s] < np.arange(B)]
          ] = True
-  syncs = _Syncs(runner, knowledge_lib.Knowledge(S, N, B + 1, depth, kept),
-                 reflected=np.zeros((S, B, N), dtype=np.int64), comm=[],
-                 pending={})
+  syncs = _Syncs(runner, reflected=np.zeros((S, B, N), dtype=np.int64),
+                 comm=[], groups=[{} for _ in range(B)])
   rows = _rows(walk.window, N)
   wait, last_end = _walk(walk, rows, delay, scale, update, applied, local_end,
                          gate, syncs)
+  _observe(syncs, knowledge_lib.Knowledge(S, N, B + 1, depth, kept),
+           plan.backward_version)
   busy = np.einsum("bsn,bs->sn", scale, walk.iteration_seconds)
   task_times = functools.partial(_replay, walk, delay, scale, update, applied,
                                  local_end, gate)
@@ -313,26 +314,23 @@ def _rows(num_rows: int, N: int) -> _Rows:
 
 
 class _Syncs(NamedTuple):
-  """What the first walk does at each update: the policy's sync, observed
-  staleness and the exchanges (absent when replaying recorded syncs)."""
+  """What the first walk does at each update: the policy's sync and the
+  exchanges (absent when replaying recorded syncs), and each sync's groups
+  for observed staleness."""
 
   runner: policy_lib.Runner
-  know: knowledge_lib.Knowledge
   reflected: np.ndarray  # [S, B, N] int: the policy's floor until observed
   comm: list  # (stage, CommEvent)
-  pending: dict  # minibatch -> {stage: groups} not yet merged into `know`
+  groups: list  # [B] {stage: groups} of each minibatch's syncs
 
 
-def _observe(syncs: _Syncs, backward_version: np.ndarray, stage: int,
-             minibatch: int, groups) -> None:
-  """Records a stage's groups; once every stage has synced the next
-  minibatch, its staleness is read and the groups merged, all stages at
-  once (observed staleness never feeds back into time)."""
-  syncs.pending.setdefault(minibatch, {})[stage] = groups
-  know, S = syncs.know, len(backward_version)
-  while len(syncs.pending.get(know.version, ())) == S:
-    p = know.version
-    synced = syncs.pending.pop(p)
+def _observe(syncs: _Syncs, know: knowledge_lib.Knowledge,
+             backward_version: np.ndarray) -> None:
+  """Observed staleness, after the walk (it never feeds back into time):
+  minibatch by minibatch, what each stage's backward read, then every
+  stage's groups merged into `know` at once."""
+  S = len(backward_version)
+  for p, synced in enumerate(syncs.groups):
     for s in range(S):
       syncs.reflected[s, p] = know.reflected(s, backward_version[s, p],
                                              syncs.reflected[s, p])
@@ -363,9 +361,13 @@ def _walk(walk: _Walk, rows: _Rows, delay, scale, update, applied, local_end,
   start, end, ready, blocked, sleep_at = rows
   maximum, add, subtract, multiply = (np.maximum, np.add, np.subtract,
                                       np.multiply)
+  defers = syncs is not None and syncs.runner.defers
+  held = {}  # stage -> its minibatch whose sync is held back (`defers`)
   for i in range(len(stage)):
     s, p, k = stage[i], minibatch[i], i % R
     f = free[s]
+    if held and s in held and (first[i] or version[i] > held[s]):
+      _sync_held(syncs, walk, held, applied, local_end)
     if first[i]:
       synced = maximum(f, applied[s, own[i]], out=sleep_at[k])
       subtract(synced, f, out=blocked[k])
@@ -392,18 +394,44 @@ def _walk(walk: _Walk, rows: _Rows, delay, scale, update, applied, local_end,
       free[s] = e
       continue
     e = free[s] = add(e, update[p, s], out=local_end[s, p])
-    if syncs is None:
-      continue
-    out = syncs.runner.sync(s, p, e)
-    maximum(out.applied, applied[s, p], out=applied[s, p + 1])
-    if syncs.runner.floors:
-      syncs.reflected[s, p] = syncs.runner.floor(s,
-                                                 start[walk.first_row[s, p]])
-    _observe(syncs, walk.plan.backward_version, s, p, out.groups)
-    syncs.comm.extend((s, c) for c in out.comm)
+    if defers:
+      if s in held:  # one held sync per stage, so that they stay in order
+        _sync_held(syncs, walk, held, applied, local_end)
+      held[s] = p
+    elif syncs is not None:
+      _synced(syncs, walk, s, p, syncs.runner.sync(s, p, e), applied, start)
+  if held:
+    _sync_held(syncs, walk, held, applied, local_end)
   last = np.max([end[(np.flatnonzero(walk.plan.stage == s)[-1]) % R]
                  for s in range(S)], axis=0)
   return wait, last
+
+
+def _synced(syncs: _Syncs, walk: _Walk, stage: int, minibatch: int,
+            out: policy_lib.SyncOutcome, applied, start) -> None:
+  """Records what the sync of `stage` after `minibatch` did."""
+  s, p = stage, minibatch
+  np.maximum(out.applied, applied[s, p], out=applied[s, p + 1])
+  if syncs.runner.floors:
+    syncs.reflected[s, p] = syncs.runner.floor(s, start[walk.first_row[s, p]])
+  syncs.groups[p][s] = out.groups
+  syncs.comm.extend((s, c) for c in out.comm)
+
+
+def _sync_held(syncs: _Syncs, walk: _Walk, held: dict, applied, local_end
+               ) -> None:
+  """The syncs held back, in the order their updates closed: those of one
+  minibatch decided together (`Runner.sync_many`)."""
+  order = list(held.items())
+  held.clear()
+  while order:
+    p = order[0][1]
+    run = next((k for k, (_, q) in enumerate(order) if q != p), len(order))
+    stages = [s for s, _ in order[:run]]
+    for s, out in zip(stages, syncs.runner.sync_many(stages, p,
+                                                     local_end[stages, p])):
+      _synced(syncs, walk, s, p, out, applied, None)
+    order = order[run:]
 
 
 def _replay(walk: _Walk, delay, scale, update, applied, local_end, gate
