@@ -133,14 +133,15 @@ class OracleScheduler:
     self.groups, self.skipped = self.inner.groups, self.inner.skipped
 
   def decide_many(self, stages, iteration, ready):
-    out = []
+    groups, starts = [], []
     for stage, row in zip(stages, ready):
-      found, starts = self.inner.decide(stage, iteration, row)
+      found, times = self.inner.decide(stage, iteration, row)
       sizes = [len(g) for g in found]
-      out.append((grouping.Groups(np.concatenate(found),
-                                  np.concatenate([[0], np.cumsum(sizes)])),
-                  np.array(starts)))
-    return out
+      groups.append(grouping.Groups(np.concatenate(found),
+                                    np.concatenate([[0], np.cumsum(sizes)])))
+      starts.append(np.array(times))
+    return grouping.stacked(groups, starts,
+                            np.stack([g.members for g in groups]))
 
 
 @pytest.mark.parametrize("history,window", [(1, 0.002), (3, 0.004),
@@ -181,7 +182,8 @@ def decide_alike(rng, make_new, make_old, trials=60, max_workers=12):
         if len(run) == 1 and rng.random() < 0.5:
           decided = [new.decide(run[0], k, ready[run[0]])]
         else:
-          decided = new.decide_many(run, k, ready[run])
+          batch = new.decide_many(run, k, ready[run])
+          decided = zip(batch.groups, batch.starts)
         for stage, (g_new, t_new) in zip(run, decided):
           g_old, t_old = old.decide(stage, k, ready[stage])
           assert [g.tolist() for g in g_new] == [

@@ -56,34 +56,30 @@ class _SDPipeRunner(policy.Runner):
 
   def sync_many(self, stages, minibatch, ready):
     """Every stage's groups, then their averaging times all at once."""
-    decided = self.scheduler.decide_many(stages, minibatch, ready)
+    batch = self.scheduler.decide_many(stages, minibatch, ready)
     k, N = ready.shape
-    groups = [g for g, _ in decided]
-    finish = np.concatenate([t for _, t in decided])  # a lone worker is
-    sizes = np.concatenate([g.sizes for g in groups])  # done when its window
-    members = np.concatenate([g.members for g in groups])  # closes
-    count = [len(g) for g in groups]
+    finish = batch.start.copy()  # a lone worker is done when its window
+    sizes = np.diff(batch.heads, append=k * N)  # closes
     multi = sizes > 1
     in_multi = np.repeat(multi, sizes)
-    together = members[in_multi]
+    together = batch.members.ravel()[in_multi]
     counts = sizes[multi]
     heads = np.cumsum(counts) - counts
-    row = np.repeat(np.arange(k), count)[multi]
+    row = batch.heads[multi] // N
     stage = np.asarray(stages)[row]
-    nodes = self.nodes[stage.repeat(counts), together]
+    nodes = self.nodes[stages].ravel()[batch.positions[in_multi]]
     one_node = (np.minimum.reduceat(nodes, heads)
                 == np.maximum.reduceat(nodes, heads)) if len(heads) else heads
     begin = finish[multi]
     end = begin + self.seconds[stage, one_node.astype(np.intp), counts]
     finish[multi] = end
     applied = np.empty(k * N)
-    applied[members + np.arange(0, k * N, N).repeat(N)] = np.repeat(finish,
-                                                                     sizes)
+    applied[batch.positions] = np.repeat(finish, sizes)
     cut = np.searchsorted(row, np.arange(k + 1))  # each row's groups of 2+
     at = np.append(heads, len(together))[cut]  # and their members
     begins, ends = np.repeat(begin, counts), np.repeat(end, counts)
     return [policy.SyncOutcome(
-        applied[r * N:r * N + N], groups[r],
+        applied[r * N:r * N + N], batch.groups[r],
         (policy.CommEvent(together[at[r]:at[r + 1]], begins[at[r]:at[r + 1]],
                           ends[at[r]:at[r + 1]]),) if cut[r + 1] > cut[r]
         else ()) for r in range(k)]

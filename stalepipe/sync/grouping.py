@@ -88,6 +88,21 @@ class Batch(NamedTuple):
   inner: np.ndarray  # [k * n] bool, `Groups.inner` of each row
   heads: np.ndarray  # [G] int, where each group begins in `positions`
   first: np.ndarray  # [k + 1] int, each row's first group in `heads`
+  start: np.ndarray  # [G] float, `starts` one row after another
+
+
+def stacked(groups: list, starts: list, members: np.ndarray) -> Batch:
+  """The `Batch` of each row's `groups` and `starts` (`members`: `[k, n]`,
+  each row's `Groups.members`)."""
+  k, n = members.shape
+  heads = np.concatenate([g.offsets[:-1] + r * n
+                          for r, g in enumerate(groups)])
+  first = np.zeros(k + 1, np.int64)
+  np.cumsum([len(g) for g in groups], out=first[1:])
+  return Batch(groups, starts, members,
+               (members + np.arange(0, k * n, n)[:, None]).ravel(),
+               np.concatenate([g.inner for g in groups]), heads, first,
+               np.concatenate(starts))
 
 
 def window_batch(ready: np.ndarray, window: float, min_size: int = 1
@@ -131,7 +146,7 @@ def window_batch(ready: np.ndarray, window: float, min_size: int = 1
   return Batch([Groups(order[r], offsets[bounds[r]:bounds[r + 1]])
                 for r in range(k)],
                [starts[first[r]:first[r + 1]] for r in range(k)],
-               order, positions, inner, heads, first)
+               order, positions, inner, heads, first, starts)
 
 
 def _walk(times: np.ndarray, closes: np.ndarray, runs: np.ndarray,
@@ -258,14 +273,14 @@ class SyncWindow:
       return joined
     older = self.suffix[stages, j].ravel()  # size - j rows
     coarse, fine = (older, joined) if self.size - j > j else (joined, older)
-    # The finer labels as groups, each sorted by the coarser, whose
-    # union-find then sees one edge per pair of labels that meet.
-    order = np.argsort(fine * self.ids.size + coarse)
-    ranked = fine[order]
-    same = np.empty(len(order), bool)
-    np.equal(ranked[1:], ranked[:-1], out=same[:-1])
-    same[-1] = False
-    return self._join(coarse, order, same)
+    # Each worker's label joined with that of one member of its finer
+    # component: the union-find over the coarser labels (a few large
+    # components) sees few edges.
+    member = np.empty(self.ids.size, np.int64)
+    member[fine] = coarse
+    other = member[fine]
+    differ = np.flatnonzero(coarse != other)
+    return self._union(coarse, coarse[differ], other[differ])
 
   def push(self, stages: list, members: np.ndarray, inner: np.ndarray,
            joined: np.ndarray) -> None:
@@ -334,10 +349,16 @@ class SyncWindow:
     cross = a[:-1] != a[1:]
     cross &= inner[:-1]
     edges = np.flatnonzero(cross)
-    if not len(edges):
+    return self._union(labels, a[edges], a[edges + 1])
+
+  def _union(self, labels: np.ndarray, x: np.ndarray, y: np.ndarray
+             ) -> np.ndarray:
+    """`labels` with `x[i]` and `y[i]` joined, each label becoming its
+    component's smallest."""
+    if not len(x):
       return labels
     parent, moved = self._parent, []
-    for x, y in zip(a[edges].tolist(), a[edges + 1].tolist()):
+    for x, y in zip(x.tolist(), y.tolist()):
       while parent[x] != x:
         parent[x] = x = parent[parent[x]]
       while parent[y] != y:
@@ -348,6 +369,8 @@ class SyncWindow:
       elif y < x:
         parent[x] = y
         moved.append(x)
+    if not moved:
+      return labels
     roots = []
     for x in moved:
       while parent[x] != x:
@@ -375,9 +398,11 @@ def waits(components: np.ndarray, batch: Batch) -> list[list[int]]:
     Per row, the indices of its groups that merge into the one before,
     increasing; empty when the graph is connected.
   """
-  label = components[batch.positions[batch.heads]]
-  _, firsts = np.unique(label, return_index=True)  # rows' labels differ
-  firsts.sort()
+  label = components[batch.positions[batch.heads]]  # rows' labels differ
+  order = np.arange(len(label))
+  first = np.full(label.max() + 1, len(label))
+  np.minimum.at(first, label, order)
+  firsts = np.flatnonzero(first[label] == order)
   cut = np.searchsorted(firsts, batch.first)
   return [(firsts[cut[r] + 1:cut[r + 1]] - batch.first[r]).tolist()
           for r in range(len(batch.groups))]
@@ -458,50 +483,53 @@ class Scheduler:
   def decide(self, stage: int, iteration: int, ready: np.ndarray
              ) -> tuple[Groups, list]:
     """This iteration's groups of `stage` and when each starts averaging."""
-    (groups, starts), = self.decide_many([stage], iteration,
-                                         np.asarray(ready)[None])
-    return groups, starts.tolist()
+    batch = self.decide_many([stage], iteration, np.asarray(ready)[None])
+    return batch.groups[0], batch.starts[0].tolist()
 
   def decide_many(self, stages: list, iteration: int, ready: np.ndarray
-                  ) -> list[tuple[Groups, np.ndarray]]:
+                  ) -> Batch:
     """`decide` for each of `stages` in turn (`ready`: `[k, N]`), with the
     grouping and the sync graphs of all of them computed together; only the
     deadlock rule, which looks at the stages decided before, runs one
-    stage at a time. The starts come as float arrays."""
+    stage at a time.
+
+    Returns:
+      The groups decided, stacked (`Batch`).
+    """
     stages = list(stages)
     if self.past is None:
       self.past = SyncWindow(self.num_stages, self.history - 1,
                              ready.shape[1])
     batch = window_batch(ready, self.window, self.min_size)
+    groups, starts = list(batch.groups), list(batch.starts)
     if self.history_unit == "group":
-      out = [self._by_group(s, iteration, g, t)
-             for s, g, t in zip(stages, batch.groups, batch.starts)]
-      for s, (groups, _) in zip(stages, out):
-        self.groups[s].append(groups)
-      return out
+      for r, s in enumerate(stages):
+        groups[r], starts[r] = self._by_group(s, iteration, groups[r],
+                                              starts[r])
+        self.groups[s].append(groups[r])
+      return stacked(groups, starts, batch.members)
     joined = self.past.joined(stages, batch.positions, batch.inner)
     late = (waits(self.past.components(stages, joined), batch)
             if self.enforce else [[]] * len(stages))
-    out, inner, n = [], batch.inner, ready.shape[1]
-    for r, (stage, groups, starts) in enumerate(
-        zip(stages, batch.groups, batch.starts)):
+    merged = []
+    for r, stage in enumerate(stages):
       if late[r]:
-        begin = starts[late[r][0] - 1]  # the earliest group that waits
+        begin = starts[r][late[r][0] - 1]  # the earliest group that waits
         if self._blocked(stage, begin):
           self.skipped.append((stage, iteration))
         else:
-          groups, starts = merge(groups, starts, late[r])
-          self.waiting[stage] = (begin, starts.max())
-          if inner is batch.inner:
-            inner, joined = inner.copy(), joined.copy()
-          mine = slice(r * n, r * n + n)
-          inner[mine] = groups.inner
-          joined[mine] = self.past.joined([stage], groups.members,
-                                          groups.inner)
-      self.groups[stage].append(groups)
-      out.append((groups, starts))
-    self.past.push(stages, batch.members, inner, joined)
-    return out
+          groups[r], starts[r] = merge(groups[r], starts[r], late[r])
+          self.waiting[stage] = (begin, starts[r].max())
+          merged.append(r)
+      self.groups[stage].append(groups[r])
+    if merged:
+      batch, n = stacked(groups, starts, batch.members), ready.shape[1]
+      joined = joined.copy()
+      for r in merged:
+        joined[r * n:r * n + n] = self.past.joined(
+            [stages[r]], groups[r].members, groups[r].inner)
+    self.past.push(stages, batch.members, batch.inner, joined)
+    return batch
 
   def _blocked(self, stage: int, begin: float) -> bool:
     """Whether another stage's enforcement is still waiting at `begin`."""
