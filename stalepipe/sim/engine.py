@@ -358,7 +358,11 @@ def _walk(walk: _Walk, rows: _Rows, delay, scale, update, applied, local_end,
                                   walk.own)
   base, checks, links = walk.base, walk.checks, walk.links
   gates = walk.gates
-  start, end, ready, blocked, sleep_at = rows
+  # Rows read every task as lists of views: a list index costs less than
+  # making the view (the ring's rows; the whole run's stay arrays).
+  start, end, ready, blocked, sleep_at = (
+      rows if syncs is None else [list(a) for a in rows])
+  links, scale = list(links), [list(x) for x in scale]
   maximum, add, subtract, multiply = (np.maximum, np.add, np.subtract,
                                       np.multiply)
   defers = syncs is not None and syncs.runner.defers
@@ -388,7 +392,7 @@ def _walk(walk: _Walk, rows: _Rows, delay, scale, update, applied, local_end,
           gate[s, p] = syncs.runner.gate(s, p)
         maximum(st, gate[s, p], out=st)
       add(wait[s], subtract(st, r, out=scratch), out=wait[s])
-    e = multiply(scale[p, s], base[i], out=end[k])
+    e = multiply(scale[p][s], base[i], out=end[k])
     add(st, e, out=e)
     if not trigger[i]:
       free[s] = e

@@ -195,8 +195,9 @@ def _merge(know: np.ndarray, sums: np.ndarray, rows: np.ndarray) -> None:
   `maximum.reduceat`, or a maximum over the middle axis, is several times
   slower).
   """
-  block = know[rows]
+  block = np.take(know, rows, axis=0)
   while len(block) > 1:
-    block = np.maximum(block[:len(block) // 2], block[len(block) // 2:])
+    half = len(block) // 2
+    block = np.maximum(block[:half], block[half:], out=block[:half])
   know[rows] = block[0]
   sums[rows] = block[0].sum(axis=1, dtype=sums.dtype)
