@@ -268,10 +268,13 @@ def test_sync_window_components_equal_union_find_over_the_window():
         window.push(run, members, inner, joined)
 
 
-def test_knowledge_equals_the_dense_matrix():
+def test_knowledge_equals_the_dense_matrix(monkeypatch):
   """Row sums of know (today's N x N bookkeeping), with floors and reads of
   versions older than the current one; stages given their groups as index
-  arrays, `grouping.Groups` and a `[pairs, 2]` array."""
+  arrays, `grouping.Groups` and a `[pairs, 2]` array; iteration by
+  iteration (`update`, `reflected`) and a whole run at once (`observe`, its
+  merges planned 7 iterations at a time)."""
+  monkeypatch.setattr(knowledge, "_CHUNK", 7)
   rng = np.random.default_rng(2)
   S = 3
   for N, depth in ((1, 2), (5, 2), (6, 3), (7, 5), (20, 2)):
@@ -279,12 +282,16 @@ def test_knowledge_equals_the_dense_matrix():
     fast = knowledge.Knowledge(S, N, B + 1, depth, np.ones((S, B + 1), bool))
     know = np.zeros((S, N, N), np.int64)
     history = {0: know.copy()}
+    run, read, floors, wants = [], np.zeros((S, B), int), [], []
     for p in range(B):
       for s in range(S):
         version = int(rng.integers(max(0, p + 2 - depth), p + 1))
         floor = rng.integers(0, 3, N) * int(rng.random() < 0.3)
         want = np.maximum(history[version][s], floor[:, None]).sum(axis=1)
         np.testing.assert_array_equal(fast.reflected(s, version, floor), want)
+        read[s, p] = version
+        floors.append(floor)
+        wants.append(want)
       given, found = [], []
       for s in range(S):
         kind = rng.integers(4)
@@ -309,8 +316,14 @@ def test_knowledge_equals_the_dense_matrix():
           given.append(groups)
         found.append(groups)
       fast.update(p, given)
+      run.append(given)
       know[:, np.arange(N), np.arange(N)] = p + 1
       for s in range(S):
         for g in found[s]:
           know[s, g] = know[s, g].max(axis=0)
       history[p + 1] = know.copy()
+    whole = knowledge.Knowledge(S, N, B + 1, depth, np.ones((S, B + 1), bool))
+    floor = np.array(floors).reshape(B, S, N).transpose(1, 0, 2)
+    np.testing.assert_array_equal(
+        whole.observe(run, read, floor),
+        np.array(wants).reshape(B, S, N).transpose(1, 0, 2))

@@ -235,8 +235,11 @@ def simulate(schedule: core.Schedule, cluster: cluster_lib.Cluster,
   rows = _rows(walk.window, N)
   wait, last_end = _walk(walk, rows, delay, scale, update, applied, local_end,
                          gate, syncs)
-  _observe(syncs, knowledge_lib.Knowledge(S, N, B + 1, depth, kept),
-           plan.backward_version)
+  # Observed staleness never feeds back into time: after the walk,
+  # minibatch by minibatch, what each backward read, then the groups merged.
+  knowledge_lib.Knowledge(S, N, B + 1, depth, kept).observe(
+      [[synced[s] for s in range(S)] for synced in syncs.groups],
+      plan.backward_version, syncs.reflected)
   busy = np.einsum("bsn,bs->sn", scale, walk.iteration_seconds)
   task_times = functools.partial(_replay, walk, delay, scale, update, applied,
                                  local_end, gate)
@@ -322,19 +325,6 @@ class _Syncs(NamedTuple):
   reflected: np.ndarray  # [S, B, N] int: the policy's floor until observed
   comm: list  # (stage, CommEvent)
   groups: list  # [B] {stage: groups} of each minibatch's syncs
-
-
-def _observe(syncs: _Syncs, know: knowledge_lib.Knowledge,
-             backward_version: np.ndarray) -> None:
-  """Observed staleness, after the walk (it never feeds back into time):
-  minibatch by minibatch, what each stage's backward read, then every
-  stage's groups merged into `know` at once."""
-  S = len(backward_version)
-  for p, synced in enumerate(syncs.groups):
-    for s in range(S):
-      syncs.reflected[s, p] = know.reflected(s, backward_version[s, p],
-                                             syncs.reflected[s, p])
-    know.update(p, [synced[s] for s in range(S)])
 
 
 def _walk(walk: _Walk, rows: _Rows, delay, scale, update, applied, local_end,
