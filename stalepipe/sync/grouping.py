@@ -127,7 +127,10 @@ def window_batch(ready: np.ndarray, window: float, min_size: int = 1
     np.greater(times[1:], closes[:-1], out=head[1:])
     head[::n] = True
     runs = np.flatnonzero(head)
-    ends = np.append(runs[1:], k * n) - 1
+    ends = np.empty_like(runs)
+    ends[:-1] = runs[1:]
+    ends[-1] = k * n
+    ends -= 1
     long = np.flatnonzero(times[ends] > closes[runs])
     if len(long):
       head[_walk(times, closes, runs[long], ends[long])] = True
@@ -139,10 +142,10 @@ def window_batch(ready: np.ndarray, window: float, min_size: int = 1
   np.logical_not(head[1:], out=inner[:-1])
   inner[-1] = False
   bounds = first + np.arange(k + 1)  # each row's offsets, its n included
-  offsets = np.full(len(heads) + k, n)
-  kept = np.ones(len(offsets), bool)
-  kept[bounds[1:] - 1] = False
-  offsets[kept] = heads % n
+  offsets = np.empty((k, n + 1), bool)
+  offsets[:, :n] = head.reshape(k, n)
+  offsets[:, n] = True
+  offsets = np.nonzero(offsets)[1]
   return Batch([Groups(order[r], offsets[bounds[r]:bounds[r + 1]])
                 for r in range(k)],
                [starts[first[r]:first[r + 1]] for r in range(k)],
