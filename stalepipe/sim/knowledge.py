@@ -124,6 +124,7 @@ class Knowledge:
     n, old = self.n, self.version
     own = self.version = iteration + 1
     merges, blocks = plan
+    bumped, dense, pairs = [], [], []  # stages whose diagonal moves to `own`
     for s, found in enumerate(groups):
       if self.kept[s, old]:
         self.saved[s, old] = (self.dense[s].copy() if self.is_dense[s]
@@ -132,11 +133,14 @@ class Knowledge:
       if len(found) == 1 and len(found[0]) == n:  # all average
         self.common[s], self.is_dense[s] = own, False
         continue
-      pairs = isinstance(found, np.ndarray)  # [groups, width]: one width
-      some = (found.ndim == 2 and found.size > 0 and found.shape[1] > 1
-              if pairs else merges[s])
+      if isinstance(found, np.ndarray):  # [groups, width]: one width
+        some = found.ndim == 2 and found.size > 0 and found.shape[1] > 1
+        if some:  # merged on their own: no padding to work out
+          pairs.append((s, found.T))
+      else:
+        some = merges[s]
       if self.is_dense[s]:
-        self.sums[s] += 1  # the diagonal, from p to p + 1
+        bumped.append(s)  # its row sums, from p to p + 1
       elif not some:
         continue
       else:
@@ -146,9 +150,19 @@ class Knowledge:
         self.dense[s] = self.common[s]
         self.sums[s] = (n - 1) * self.common[s] + own
         self.is_dense[s] = True
-      self.dense[s].flat[::n + 1] = own
-      if pairs and some:  # merged on their own: no padding to work out
-        _merge(self.dense[s], self.sums[s], found.T)
+      dense.append(s)
+    if len(bumped) == len(groups):
+      self.sums += 1
+    else:
+      for s in bumped:
+        self.sums[s] += 1
+    if len(dense) == len(groups):
+      self.dense.reshape(len(groups), -1)[:, ::n + 1] = own
+    else:
+      for s in dense:
+        self.dense[s].flat[::n + 1] = own
+    for s, rows in pairs:
+      _merge(self.dense[s], self.sums[s], rows)
     if blocks:
       rows, sums = self.dense.reshape(-1, n), self.sums.reshape(-1)
       for block in blocks:
