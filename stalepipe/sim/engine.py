@@ -29,7 +29,12 @@ schedule's task order, which is a topological order of these dependencies.
 The schedule is compiled to index arrays with NumPy, link costs are a few
 distinct rows rather than one per task, and observed staleness is tracked in
 `O(N)` per update unless groups leave replicas out (`knowledge`). Pipelines
-only meet at syncs, where the policy sees all ready times at once.
+only meet at syncs, where the policy sees all ready times at once. A policy
+that decides several syncs at once (`Runner.defers`: SDPipe) has each sync
+held until a task reads the version it applies, and is then handed the held
+syncs of one minibatch together (`Runner.sync_many`). Observed staleness,
+which never feeds back into time, is merged after the walk
+(`Knowledge.observe`).
 
 The walk keeps only a ring of the task rows a later task looks back on (its
 dependency, the stage's previous task, the iteration's first task): busy
@@ -356,6 +361,9 @@ def _walk(walk: _Walk, rows: _Rows, delay, scale, update, applied, local_end,
   maximum, add, subtract, multiply = (np.maximum, np.add, np.subtract,
                                       np.multiply)
   defers = syncs is not None and syncs.runner.defers
+  if defers and (syncs.runner.gates or syncs.runner.floors):
+    raise ValueError("a runner that defers its syncs may neither gate nor "
+                     "floor; valid: defers=False")
   held = {}  # stage -> its minibatch whose sync is held back (`defers`)
   for i in range(len(stage)):
     s, p, k = stage[i], minibatch[i], i % R

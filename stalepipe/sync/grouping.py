@@ -70,12 +70,6 @@ class Groups(collections.abc.Sequence):
     inner[self.offsets[1:] - 1] = False
     return inner
 
-  def labels(self, num_workers: int) -> np.ndarray:
-    """`[N]` the group of each worker."""
-    out = np.empty(num_workers, np.int64)
-    out[self.members] = np.repeat(np.arange(len(self)), self.sizes)
-    return out
-
 
 class Batch(NamedTuple):
   """The window groups of several rows at once (a row: one stage's ready
@@ -277,8 +271,9 @@ class SyncWindow:
     older = self.suffix[stages, j].ravel()  # size - j rows
     coarse, fine = (older, joined) if self.size - j > j else (joined, older)
     # Each worker's label joined with that of one member of its finer
-    # component: the union-find over the coarser labels (a few large
-    # components) sees few edges.
+    # component (whichever: the components are the same), so that the
+    # union-find over the coarser labels (a few large components) sees few
+    # edges.
     member = np.empty(self.ids.size, np.int64)
     member[fine] = coarse
     other = member[fine]
