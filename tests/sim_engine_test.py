@@ -132,11 +132,16 @@ class OracleScheduler:
     self.inner = sdpipe_oracle.Scheduler(num_stages, history, window, enforce)
     self.groups, self.skipped = self.inner.groups, self.inner.skipped
 
-  def decide(self, stage, iteration, ready):
-    found, starts = self.inner.decide(stage, iteration, ready)
-    sizes = [len(g) for g in found]
-    return grouping.Groups(np.concatenate(found),
-                           np.concatenate([[0], np.cumsum(sizes)])), starts
+  def decide_many(self, stages, iteration, ready):
+    groups, starts = [], []
+    for stage, row in zip(stages, ready):
+      found, times = self.inner.decide(stage, iteration, row)
+      sizes = [len(g) for g in found]
+      groups.append(grouping.Groups(np.concatenate(found),
+                                    np.concatenate([[0], np.cumsum(sizes)])))
+      starts.append(np.array(times))
+    return grouping.stacked(groups, starts,
+                            np.stack([g.members for g in groups]))
 
 
 @pytest.mark.parametrize("history,window", [(1, 0.002), (3, 0.004),
@@ -154,21 +159,36 @@ def test_sdpipe_run_equals_union_find_scheduler(history, window, monkeypatch):
   assert fast.extras["sdpipe_skipped"] == slow.extras["sdpipe_skipped"]
 
 
+def runs(rng, S):
+  """The stages in random order, cut into random runs."""
+  order = rng.permutation(S)
+  cuts = np.sort(rng.choice(np.arange(1, S), int(rng.integers(0, S)),
+                            replace=False)) if S > 1 else []
+  return [run.tolist() for run in np.split(order, cuts)]
+
+
 def decide_alike(rng, make_new, make_old, trials=60, max_workers=12):
-  """Two schedulers on the same random ready times (stages in random order
-  each iteration), decision for decision."""
+  """Two schedulers on the same random ready times, decision for decision:
+  each iteration the stages come in random order, the new scheduler given
+  them in random runs decided together (`decide_many`; a run of one through
+  `decide` or `decide_many`), the old one by one."""
   for trial in range(trials):
-    N, S = int(rng.integers(1, max_workers)), int(rng.integers(1, 4))
+    N, S = int(rng.integers(1, max_workers)), int(rng.integers(1, 5))
     history, window = int(rng.integers(1, 6)), float(rng.uniform(0, 0.3))
     new, old = make_new(S, history, window), make_old(S, history, window)
     for k in range(12):
       ready = rng.random((S, N)) + 0.2 * k
-      for stage in rng.permutation(S).tolist():
-        g_new, t_new = new.decide(stage, k, ready[stage])
-        g_old, t_old = old.decide(stage, k, ready[stage])
-        assert [g.tolist() for g in g_new] == [
-            np.asarray(g).tolist() for g in g_old], (trial, k, stage)
-        assert t_new == t_old
+      for run in runs(rng, S):
+        if len(run) == 1 and rng.random() < 0.5:
+          decided = [new.decide(run[0], k, ready[run[0]])]
+        else:
+          batch = new.decide_many(run, k, ready[run])
+          decided = zip(batch.groups, batch.starts)
+        for stage, (g_new, t_new) in zip(run, decided):
+          g_old, t_old = old.decide(stage, k, ready[stage])
+          assert [g.tolist() for g in g_new] == [
+              np.asarray(g).tolist() for g in g_old], (trial, k, stage)
+          assert np.asarray(t_new).tolist() == t_old
     assert new.skipped == old.skipped
 
 
@@ -211,32 +231,50 @@ def random_groups(rng, N):
   return grouping.Groups(order, np.concatenate([[0], np.cumsum(sizes)]))
 
 
-def test_sync_graph_components_equal_union_find_over_the_window():
-  """Components of the last `size` iterations' groups plus this one's, as
-  the window slides, against union-find over the same group lists."""
+def test_sync_window_components_equal_union_find_over_the_window():
+  """Components of each stage's last `size` rows plus one more, as the
+  window slides, the stages in random runs taken together, against
+  union-find over the same group lists; what is pushed is sometimes not
+  what was asked about (a merged row)."""
   rng = np.random.default_rng(1)
   for _ in range(40):
-    N, size = int(rng.integers(1, 30)), int(rng.integers(0, 6))
-    graph, rows = grouping.SyncGraph(size, N), []
+    N, S, size = (int(rng.integers(1, 30)), int(rng.integers(1, 5)),
+                  int(rng.integers(0, 6)))
+    window, rows = grouping.SyncWindow(S, size, N), [[] for _ in range(S)]
     for _ in range(15):
-      groups = random_groups(rng, N)
-      comp, count = graph.components(groups)
-      past = rows[max(0, len(rows) - size):] if size else []
-      uf = sdpipe_oracle.sync_graph(
-          N, [g for row in past + [groups] for g in row])
-      assert count == uf.components
-      assert comp.min() == 0 and comp.max() == count - 1
-      for a, b in itertools.combinations(range(N), 2):
-        assert (comp[a] == comp[b]) == (uf.find(a) == uf.find(b))
-      pushed = random_groups(rng, N) if rng.random() < 0.5 else groups
-      graph.push(pushed)
-      rows.append(pushed)
+      for run in runs(rng, S):
+        asked = [random_groups(rng, N) for _ in run]
+        members = np.stack([g.members for g in asked])
+        inner = np.concatenate([g.inner for g in asked])
+        joined = window.joined(run, members.ravel() + np.repeat(
+            np.arange(len(run)) * N, N), inner)
+        comp = window.components(run, joined).reshape(len(run), N)
+        for r, (s, groups) in enumerate(zip(run, asked)):
+          past = rows[s][max(0, len(rows[s]) - size):] if size else []
+          uf = sdpipe_oracle.sync_graph(
+              N, [g for row in past + [groups] for g in row])
+          assert len(np.unique(comp[r])) == uf.components
+          for a, b in itertools.combinations(range(N), 2):
+            assert (comp[r, a] == comp[r, b]) == (uf.find(a) == uf.find(b))
+        pushed = [random_groups(rng, N) if rng.random() < 0.5 else g
+                  for g in asked]
+        for r, (g, h) in enumerate(zip(pushed, asked)):
+          if g is not h:
+            joined[r * N:r * N + N] = window.joined([run[r]], g.members,
+                                                    g.inner)
+          inner[r * N:r * N + N] = g.inner
+          members[r] = g.members
+          rows[run[r]].append(g)
+        window.push(run, members, inner, joined)
 
 
-def test_knowledge_equals_the_dense_matrix():
+def test_knowledge_equals_the_dense_matrix(monkeypatch):
   """Row sums of know (today's N x N bookkeeping), with floors and reads of
   versions older than the current one; stages given their groups as index
-  arrays, `grouping.Groups` and a `[pairs, 2]` array."""
+  arrays, `grouping.Groups` and a `[pairs, 2]` array; iteration by
+  iteration (`update`, `reflected`) and a whole run at once (`observe`, its
+  merges planned 7 iterations at a time)."""
+  monkeypatch.setattr(knowledge, "_CHUNK", 7)
   rng = np.random.default_rng(2)
   S = 3
   for N, depth in ((1, 2), (5, 2), (6, 3), (7, 5), (20, 2)):
@@ -244,12 +282,16 @@ def test_knowledge_equals_the_dense_matrix():
     fast = knowledge.Knowledge(S, N, B + 1, depth, np.ones((S, B + 1), bool))
     know = np.zeros((S, N, N), np.int64)
     history = {0: know.copy()}
+    run, read, floors, wants = [], np.zeros((S, B), int), [], []
     for p in range(B):
       for s in range(S):
         version = int(rng.integers(max(0, p + 2 - depth), p + 1))
         floor = rng.integers(0, 3, N) * int(rng.random() < 0.3)
         want = np.maximum(history[version][s], floor[:, None]).sum(axis=1)
         np.testing.assert_array_equal(fast.reflected(s, version, floor), want)
+        read[s, p] = version
+        floors.append(floor)
+        wants.append(want)
       given, found = [], []
       for s in range(S):
         kind = rng.integers(4)
@@ -274,8 +316,14 @@ def test_knowledge_equals_the_dense_matrix():
           given.append(groups)
         found.append(groups)
       fast.update(p, given)
+      run.append(given)
       know[:, np.arange(N), np.arange(N)] = p + 1
       for s in range(S):
         for g in found[s]:
           know[s, g] = know[s, g].max(axis=0)
       history[p + 1] = know.copy()
+    whole = knowledge.Knowledge(S, N, B + 1, depth, np.ones((S, B + 1), bool))
+    floor = np.array(floors).reshape(B, S, N).transpose(1, 0, 2)
+    np.testing.assert_array_equal(
+        whole.observe(run, read, floor),
+        np.array(wants).reshape(B, S, N).transpose(1, 0, 2))

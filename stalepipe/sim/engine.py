@@ -29,7 +29,12 @@ schedule's task order, which is a topological order of these dependencies.
 The schedule is compiled to index arrays with NumPy, link costs are a few
 distinct rows rather than one per task, and observed staleness is tracked in
 `O(N)` per update unless groups leave replicas out (`knowledge`). Pipelines
-only meet at syncs, where the policy sees all ready times at once.
+only meet at syncs, where the policy sees all ready times at once. A policy
+that decides several syncs at once (`Runner.defers`: SDPipe) has each sync
+held until a task reads the version it applies, and is then handed the held
+syncs of one minibatch together (`Runner.sync_many`). Observed staleness,
+which never feeds back into time, is merged after the walk
+(`Knowledge.observe`).
 
 The walk keeps only a ring of the task rows a later task looks back on (its
 dependency, the stage's previous task, the iteration's first task): busy
@@ -230,12 +235,16 @@ def simulate(schedule: core.Schedule, cluster: cluster_lib.Cluster,
   for s in range(S):  # newer one is in
     kept[s, plan.backward_version[s][plan.backward_version[s] < np.arange(B)]
          ] = True
-  syncs = _Syncs(runner, knowledge_lib.Knowledge(S, N, B + 1, depth, kept),
-                 reflected=np.zeros((S, B, N), dtype=np.int64), comm=[],
-                 pending={})
+  syncs = _Syncs(runner, reflected=np.zeros((S, B, N), dtype=np.int64),
+                 comm=[], groups=[{} for _ in range(B)])
   rows = _rows(walk.window, N)
   wait, last_end = _walk(walk, rows, delay, scale, update, applied, local_end,
                          gate, syncs)
+  # Observed staleness never feeds back into time: after the walk,
+  # minibatch by minibatch, what each backward read, then the groups merged.
+  knowledge_lib.Knowledge(S, N, B + 1, depth, kept).observe(
+      [[synced[s] for s in range(S)] for synced in syncs.groups],
+      plan.backward_version, syncs.reflected)
   busy = np.einsum("bsn,bs->sn", scale, walk.iteration_seconds)
   task_times = functools.partial(_replay, walk, delay, scale, update, applied,
                                  local_end, gate)
@@ -313,30 +322,14 @@ def _rows(num_rows: int, N: int) -> _Rows:
 
 
 class _Syncs(NamedTuple):
-  """What the first walk does at each update: the policy's sync, observed
-  staleness and the exchanges (absent when replaying recorded syncs)."""
+  """What the first walk does at each update: the policy's sync and the
+  exchanges (absent when replaying recorded syncs), and each sync's groups
+  for observed staleness."""
 
   runner: policy_lib.Runner
-  know: knowledge_lib.Knowledge
   reflected: np.ndarray  # [S, B, N] int: the policy's floor until observed
   comm: list  # (stage, CommEvent)
-  pending: dict  # minibatch -> {stage: groups} not yet merged into `know`
-
-
-def _observe(syncs: _Syncs, backward_version: np.ndarray, stage: int,
-             minibatch: int, groups) -> None:
-  """Records a stage's groups; once every stage has synced the next
-  minibatch, its staleness is read and the groups merged, all stages at
-  once (observed staleness never feeds back into time)."""
-  syncs.pending.setdefault(minibatch, {})[stage] = groups
-  know, S = syncs.know, len(backward_version)
-  while len(syncs.pending.get(know.version, ())) == S:
-    p = know.version
-    synced = syncs.pending.pop(p)
-    for s in range(S):
-      syncs.reflected[s, p] = know.reflected(s, backward_version[s, p],
-                                             syncs.reflected[s, p])
-    know.update(p, [synced[s] for s in range(S)])
+  groups: list  # [B] {stage: groups} of each minibatch's syncs
 
 
 def _walk(walk: _Walk, rows: _Rows, delay, scale, update, applied, local_end,
@@ -360,12 +353,23 @@ def _walk(walk: _Walk, rows: _Rows, delay, scale, update, applied, local_end,
                                   walk.own)
   base, checks, links = walk.base, walk.checks, walk.links
   gates = walk.gates
-  start, end, ready, blocked, sleep_at = rows
+  # Rows read every task as lists of views: a list index costs less than
+  # making the view (the ring's rows; the whole run's stay arrays).
+  start, end, ready, blocked, sleep_at = (
+      rows if syncs is None else [list(a) for a in rows])
+  links, scale = list(links), [list(x) for x in scale]
   maximum, add, subtract, multiply = (np.maximum, np.add, np.subtract,
                                       np.multiply)
+  defers = syncs is not None and syncs.runner.defers
+  if defers and (syncs.runner.gates or syncs.runner.floors):
+    raise ValueError("a runner that defers its syncs may neither gate nor "
+                     "floor; valid: defers=False")
+  held = {}  # stage -> its minibatch whose sync is held back (`defers`)
   for i in range(len(stage)):
     s, p, k = stage[i], minibatch[i], i % R
     f = free[s]
+    if held and s in held and (first[i] or version[i] > held[s]):
+      _sync_held(syncs, walk, held, applied, local_end)
     if first[i]:
       synced = maximum(f, applied[s, own[i]], out=sleep_at[k])
       subtract(synced, f, out=blocked[k])
@@ -386,24 +390,50 @@ def _walk(walk: _Walk, rows: _Rows, delay, scale, update, applied, local_end,
           gate[s, p] = syncs.runner.gate(s, p)
         maximum(st, gate[s, p], out=st)
       add(wait[s], subtract(st, r, out=scratch), out=wait[s])
-    e = multiply(scale[p, s], base[i], out=end[k])
+    e = multiply(scale[p][s], base[i], out=end[k])
     add(st, e, out=e)
     if not trigger[i]:
       free[s] = e
       continue
     e = free[s] = add(e, update[p, s], out=local_end[s, p])
-    if syncs is None:
-      continue
-    out = syncs.runner.sync(s, p, e)
-    maximum(out.applied, applied[s, p], out=applied[s, p + 1])
-    if syncs.runner.floors:
-      syncs.reflected[s, p] = syncs.runner.floor(s,
-                                                 start[walk.first_row[s, p]])
-    _observe(syncs, walk.plan.backward_version, s, p, out.groups)
-    syncs.comm.extend((s, c) for c in out.comm)
+    if defers:
+      if s in held:  # one held sync per stage, so that they stay in order
+        _sync_held(syncs, walk, held, applied, local_end)
+      held[s] = p
+    elif syncs is not None:
+      _synced(syncs, walk, s, p, syncs.runner.sync(s, p, e), applied, start)
+  if held:
+    _sync_held(syncs, walk, held, applied, local_end)
   last = np.max([end[(np.flatnonzero(walk.plan.stage == s)[-1]) % R]
                  for s in range(S)], axis=0)
   return wait, last
+
+
+def _synced(syncs: _Syncs, walk: _Walk, stage: int, minibatch: int,
+            out: policy_lib.SyncOutcome, applied, start) -> None:
+  """Records what the sync of `stage` after `minibatch` did."""
+  s, p = stage, minibatch
+  np.maximum(out.applied, applied[s, p], out=applied[s, p + 1])
+  if syncs.runner.floors:
+    syncs.reflected[s, p] = syncs.runner.floor(s, start[walk.first_row[s, p]])
+  syncs.groups[p][s] = out.groups
+  syncs.comm.extend((s, c) for c in out.comm)
+
+
+def _sync_held(syncs: _Syncs, walk: _Walk, held: dict, applied, local_end
+               ) -> None:
+  """The syncs held back, in the order their updates closed: those of one
+  minibatch decided together (`Runner.sync_many`)."""
+  order = list(held.items())
+  held.clear()
+  while order:
+    p = order[0][1]
+    run = next((k for k, (_, q) in enumerate(order) if q != p), len(order))
+    stages = [s for s, _ in order[:run]]
+    for s, out in zip(stages, syncs.runner.sync_many(stages, p,
+                                                     local_end[stages, p])):
+      _synced(syncs, walk, s, p, out, applied, None)
+    order = order[run:]
 
 
 def _replay(walk: _Walk, delay, scale, update, applied, local_end, gate

@@ -25,16 +25,18 @@ References:
 
 import numpy as np
 
+_CHUNK = 256  # iterations whose merges `Knowledge.observe` plans at once
+
 
 class Knowledge:
   """`know` of every stage: its current value and the versions still read.
 
   Every stage moves to the next version together (`update` takes each
-  stage's groups of one iteration). The groups of every stage merge together,
-  one gather per width over the `[S * N, N]` rows (at 256 replicas 1.7x
-  faster than stage by stage, at 1,024 the same); `[pairs, 2]` arrays
-  (AD-PSGD), one width already, merge stage by stage, which is faster for
-  them at 1,024.
+  stage's groups of one iteration; `observe`, those of a whole run). The
+  groups of every stage merge together, one gather per width over the
+  `[S * N, N]` rows (at 256 replicas 1.7x faster than stage by stage, at
+  1,024 the same); `[pairs, 2]` arrays (AD-PSGD), one width already, merge
+  stage by stage, which is faster for them at 1,024.
 
   Args:
     num_stages: S.
@@ -86,9 +88,43 @@ class Knowledge:
       groups: per stage, disjoint index arrays, a `[groups, size]` array or
         `grouping.Groups`.
     """
+    self._step(iteration, groups, _plans([groups], self.n)[0])
+
+  def observe(self, groups: list, read: np.ndarray, floor: np.ndarray
+              ) -> np.ndarray:
+    """Every iteration in turn from the current one: what each stage's
+    backward read (`reflected`), then the iteration's groups (`update`).
+
+    The merges of `_CHUNK` iterations are planned at once (`_plans`), so
+    that an iteration costs its gathers alone.
+
+    Args:
+      groups: `[B]` per iteration, per stage groups (as `update` takes).
+      read: `[S, B]` the version each stage's backward of each minibatch
+        read.
+      floor: `[S, B, N]` the floors `reflected` takes; overwritten.
+
+    Returns:
+      `floor`, holding `[S, B, N]` the updates each backward's weights
+      reflect.
+    """
+    first = self.version
+    for lo in range(0, len(groups), _CHUNK):
+      chunk = groups[lo:lo + _CHUNK]
+      for q, plan in enumerate(_plans(chunk, self.n)):
+        p = first + lo + q
+        for s in range(len(read)):
+          floor[s, p] = self.reflected(s, read[s, p], floor[s, p])
+        self._step(p, chunk[q], plan)
+    return floor
+
+  def _step(self, iteration: int, groups: list, plan: tuple) -> None:
+    """`update`, with the merges of groups other than `[pairs, 2]` arrays
+    planned (`_plans`)."""
     n, old = self.n, self.version
     own = self.version = iteration + 1
-    merging = []  # (members, heads, sizes) of each stage's groups of 2+
+    merges, blocks = plan
+    bumped, dense, pairs = [], [], []  # stages whose diagonal moves to `own`
     for s, found in enumerate(groups):
       if self.kept[s, old]:
         self.saved[s, old] = (self.dense[s].copy() if self.is_dense[s]
@@ -97,14 +133,14 @@ class Knowledge:
       if len(found) == 1 and len(found[0]) == n:  # all average
         self.common[s], self.is_dense[s] = own, False
         continue
-      pairs = isinstance(found, np.ndarray)  # [groups, width]: one width
-      if pairs:
+      if isinstance(found, np.ndarray):  # [groups, width]: one width
         some = found.ndim == 2 and found.size > 0 and found.shape[1] > 1
+        if some:  # merged on their own: no padding to work out
+          pairs.append((s, found.T))
       else:
-        members, heads, sizes = _multi(found)
-        some = len(sizes) > 0
+        some = merges[s]
       if self.is_dense[s]:
-        self.sums[s] += 1  # the diagonal, from p to p + 1
+        bumped.append(s)  # its row sums, from p to p + 1
       elif not some:
         continue
       else:
@@ -114,21 +150,23 @@ class Knowledge:
         self.dense[s] = self.common[s]
         self.sums[s] = (n - 1) * self.common[s] + own
         self.is_dense[s] = True
-      self.dense[s].flat[::n + 1] = own
-      if pairs:  # merged on their own: no padding to work out
-        if some:
-          _merge(self.dense[s], self.sums[s], found.T)
-      else:
-        merging.append((members + s * n, heads, sizes))
-    if not merging:
-      return
-    starts = np.cumsum([0] + [len(m) for m, _, _ in merging[:-1]])
-    members = np.concatenate([m for m, _, _ in merging])
-    heads = np.concatenate([h + a for (_, h, _), a in zip(merging, starts)])
-    sizes = np.concatenate([z for _, _, z in merging])
-    rows, sums = self.dense.reshape(-1, n), self.sums.reshape(-1)
-    for rows_of_width in _blocks(members, heads, sizes):
-      _merge(rows, sums, rows_of_width)
+      dense.append(s)
+    if len(bumped) == len(groups):
+      self.sums += 1
+    else:
+      for s in bumped:
+        self.sums[s] += 1
+    if len(dense) == len(groups):
+      self.dense.reshape(len(groups), -1)[:, ::n + 1] = own
+    else:
+      for s in dense:
+        self.dense[s].flat[::n + 1] = own
+    for s, rows in pairs:
+      _merge(self.dense[s], self.sums[s], rows)
+    if blocks:
+      rows, sums = self.dense.reshape(-1, n), self.sums.reshape(-1)
+      for block in blocks:
+        _merge(rows, sums, block)
 
   def reflected(self, stage: int, version: int, floor: np.ndarray
                 ) -> np.ndarray:
@@ -151,40 +189,55 @@ class Knowledge:
     return read.sum(axis=1, dtype=self.sum_dtype)
 
 
-def _multi(groups) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-  """`(members, heads, sizes)` of the groups of two or more, their members
-  one group after another (`heads` index `members`).
-
-  Takes `grouping.Groups` or index arrays.
-  """
-  if hasattr(groups, "offsets"):  # grouping.Groups
-    members, heads, sizes = groups.members, groups.offsets[:-1], groups.sizes
-  else:
-    sizes = np.array([len(g) for g in groups], np.int64)
-    members = (np.concatenate(groups) if len(groups)
-               else np.zeros(0, np.int64))
-    heads = np.cumsum(sizes) - sizes
-  multi = sizes > 1
-  return members, heads[multi], sizes[multi]
-
-
-def _blocks(members: np.ndarray, heads: np.ndarray, sizes: np.ndarray
-            ) -> list[np.ndarray]:
-  """The groups (`members[heads[g]:heads[g] + sizes[g]]`, sizes >= 2) as
-  `rows [width, groups]` blocks, one per width.
+def _plans(chunk: list, n: int) -> list[tuple[list, list]]:
+  """Per iteration of `chunk` (each: per stage groups, as `update` takes),
+  `(merges, blocks)`: whether each stage has groups of two or more to merge
+  through `blocks` (not all-average, not a `[pairs, 2]` array), and those
+  groups of every stage as `rows [width, groups]` of the `[S * N, N]`
+  matrix, one block per width.
 
   Groups of sizes in `(w/2, w]` are padded to `w` rows by repeating their
-  last member (at most twice the rows, one gather per width).
+  last member (at most twice the rows, one gather per width). The whole
+  chunk's groups are sorted into blocks at once.
   """
-  if not len(sizes):
-    return []
-  log = np.ceil(np.log2(sizes)).astype(np.int64)
-  out = []
+  S = len(chunk[0])
+  members, offsets, owner = [], [], []  # owner: q * S + s of each entry
+  for q, groups in enumerate(chunk):
+    for s, found in enumerate(groups):
+      if (isinstance(found, np.ndarray) or not len(found)
+          or (len(found) == 1 and len(found[0]) == n)):
+        continue
+      if hasattr(found, "offsets"):  # grouping.Groups
+        members.append(found.members)
+        offsets.append(found.offsets)
+      else:
+        members.append(np.concatenate(found))
+        offsets.append(np.cumsum([0] + [len(g) for g in found]))
+      owner.append(q * S + s)
+  merges = np.zeros((len(chunk), S), bool)
+  blocks = [[] for _ in chunk]
+  if not owner:
+    return list(zip(merges.tolist(), blocks))
+  step = np.diff(np.concatenate(offsets))  # < 0 between two entries
+  real = step > 0
+  size, entry = step[real], np.cumsum(~real)[real]  # each group's
+  owner = np.asarray(owner)
+  rows = np.concatenate(members) + np.repeat(owner % S * n, [
+      len(m) for m in members])
+  multi = size > 1
+  rows, size, entry = rows[np.repeat(multi, size)], size[multi], entry[multi]
+  merges.ravel()[owner[entry]] = True
+  at = owner[entry] // S  # each group's iteration
+  heads = np.cumsum(size) - size
+  log = np.frexp(size - 1)[1]  # ceil(log2(size))
   for c in np.flatnonzero(np.bincount(log)).tolist():
-    mine = log == c
-    pad = np.minimum(np.arange(1 << c)[:, None], sizes[mine] - 1)
-    out.append(members[heads[mine] + pad])
-  return out
+    mine = np.flatnonzero(log == c)
+    pad = np.minimum(np.arange(1 << c)[:, None], size[mine] - 1)
+    block = rows[heads[mine] + pad]
+    cut = np.searchsorted(at[mine], np.arange(len(chunk) + 1)).tolist()
+    for q in np.flatnonzero(np.diff(cut)).tolist():
+      blocks[q].append(block[:, cut[q]:cut[q + 1]])
+  return list(zip(merges.tolist(), blocks))
 
 
 def _merge(know: np.ndarray, sums: np.ndarray, rows: np.ndarray) -> None:
@@ -195,8 +248,9 @@ def _merge(know: np.ndarray, sums: np.ndarray, rows: np.ndarray) -> None:
   `maximum.reduceat`, or a maximum over the middle axis, is several times
   slower).
   """
-  block = know[rows]
+  block = np.take(know, rows, axis=0)
   while len(block) > 1:
-    block = np.maximum(block[:len(block) // 2], block[len(block) // 2:])
+    half = len(block) // 2
+    block = np.maximum(block[:half], block[half:], out=block[:half])
   know[rows] = block[0]
   sums[rows] = block[0].sum(axis=1, dtype=sums.dtype)

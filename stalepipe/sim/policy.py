@@ -103,6 +103,10 @@ class Runner:
 
   gates = False  # whether `gate` can delay a minibatch
   floors = False  # whether `floor` can be above zero
+  # Whether the simulator may hold a sync back until a task reads the version
+  # it applies, and hand the syncs held to `sync_many` together (a runner
+  # that defers neither gates nor floors).
+  defers = False
 
   def __init__(self, ctx: Context):
     self.ctx = ctx
@@ -110,6 +114,12 @@ class Runner:
   def sync(self, stage: int, minibatch: int, ready: np.ndarray) -> SyncOutcome:
     del stage, minibatch
     return SyncOutcome(applied=ready)
+
+  def sync_many(self, stages: list, minibatch: int, ready: np.ndarray
+                ) -> list[SyncOutcome]:
+    """`sync` of several stages' updates of one minibatch (`ready`: `[k,
+    N]`), in turn."""
+    return [self.sync(s, minibatch, r) for s, r in zip(stages, ready)]
 
   def gate(self, stage: int, minibatch: int) -> float:
     """Earliest start of the minibatch's first task on the stage (all)."""

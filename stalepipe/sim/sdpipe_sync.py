@@ -36,6 +36,8 @@ from stalepipe.sync import grouping
 
 class _SDPipeRunner(policy.Runner):
 
+  defers = True  # the stages of a minibatch decide together
+
   def __init__(self, ctx, scheduler):
     super().__init__(ctx)
     self.scheduler = scheduler
@@ -50,26 +52,37 @@ class _SDPipeRunner(policy.Runner):
                              for b in ctx.costs.param_bytes])
 
   def sync(self, stage, minibatch, ready):
-    groups, starts = self.scheduler.decide(stage, minibatch, ready)
-    sizes, members = groups.sizes, groups.members
-    finish = np.array(starts)  # a lone worker is done when its window closes
+    return self.sync_many([stage], minibatch, ready[None])[0]
+
+  def sync_many(self, stages, minibatch, ready):
+    """Every stage's groups, then their averaging times all at once."""
+    batch = self.scheduler.decide_many(stages, minibatch, ready)
+    k, N = ready.shape
+    finish = batch.start.copy()  # a lone worker is done when its window
+    sizes = np.diff(batch.heads, append=k * N)  # closes
     multi = sizes > 1
-    comm = ()
-    if multi.any():
-      together = members[np.repeat(multi, sizes)]
-      counts = sizes[multi]
-      heads = np.cumsum(counts) - counts
-      nodes = self.nodes[stage][together]
-      one_node = (np.minimum.reduceat(nodes, heads)
-                  == np.maximum.reduceat(nodes, heads))
-      begin = finish[multi]
-      end = begin + self.seconds[stage][one_node.astype(np.intp), counts]
-      finish[multi] = end
-      comm = (policy.CommEvent(together, np.repeat(begin, counts),
-                               np.repeat(end, counts)),)
-    applied = np.empty_like(ready)
-    applied[members] = np.repeat(finish, sizes)
-    return policy.SyncOutcome(applied, groups, comm)
+    in_multi = np.repeat(multi, sizes)
+    together = batch.members.ravel()[in_multi]
+    counts = sizes[multi]
+    heads = np.cumsum(counts) - counts
+    row = batch.heads[multi] // N
+    stage = np.asarray(stages)[row]
+    nodes = self.nodes[stages].ravel()[batch.positions[in_multi]]
+    one_node = (np.minimum.reduceat(nodes, heads)
+                == np.maximum.reduceat(nodes, heads)) if len(heads) else heads
+    begin = finish[multi]
+    end = begin + self.seconds[stage, one_node.astype(np.intp), counts]
+    finish[multi] = end
+    applied = np.empty(k * N)
+    applied[batch.positions] = np.repeat(finish, sizes)
+    cut = np.searchsorted(row, np.arange(k + 1))  # each row's groups of 2+
+    at = np.append(heads, len(together))[cut]  # and their members
+    begins, ends = np.repeat(begin, counts), np.repeat(end, counts)
+    return [policy.SyncOutcome(
+        applied[r * N:r * N + N], batch.groups[r],
+        (policy.CommEvent(together[at[r]:at[r + 1]], begins[at[r]:at[r + 1]],
+                          ends[at[r]:at[r + 1]]),) if cut[r + 1] > cut[r]
+        else ()) for r in range(k)]
 
   def extras(self):
     return {"sdpipe_groups": self.scheduler.groups,

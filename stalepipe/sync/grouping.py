@@ -13,18 +13,22 @@ a group, must stay connected (Assumption 1, §3.3): when this iteration's
 groups would break it, the scheduler makes the earliest group that bridges
 two components wait for the next group and merges them, until the graph is
 connected (§3.4, group validation; §4 tracks components with union-find,
-here `SyncGraph`: a union-find over component labels, the P-iteration
-window sliding as a queue of two stacks, and the merges are the first group
-of each component in time order). Deadlock prevention (§3.4):
-an enforcement on one stage may not begin while an enforcement on another
-stage is still waiting; such a validation is skipped for the iteration and
-counted.
+here `SyncWindow`: a union-find over component labels, the P-iteration
+window sliding in blocks, and the merges are the first group of each
+component in time order). Deadlock prevention (§3.4): an enforcement on one
+stage may not begin while an enforcement on another stage is still waiting;
+such a validation is skipped for the iteration and counted.
+
+The stages of one iteration are decided together (`Scheduler.decide_many`):
+their window groups and sync graphs are a few NumPy calls over all of them,
+and only the deadlock rule runs stage by stage.
 
 AD-PSGD (Lian et al. 2018): each iteration a random matching into pairs.
 """
 
 import collections.abc
 import functools
+from typing import NamedTuple
 
 import numpy as np
 
@@ -66,11 +70,121 @@ class Groups(collections.abc.Sequence):
     inner[self.offsets[1:] - 1] = False
     return inner
 
-  def labels(self, num_workers: int) -> np.ndarray:
-    """`[N]` the group of each worker."""
-    out = np.empty(num_workers, np.int64)
-    out[self.members] = np.repeat(np.arange(len(self)), self.sizes)
-    return out
+
+class Batch(NamedTuple):
+  """The window groups of several rows at once (a row: one stage's ready
+  signals), stacked: row `r`'s worker `w` is position `r * n + w`."""
+
+  groups: list  # [k] Groups, each row's groups in time order
+  starts: list  # [k] float arrays: when each group starts averaging
+  members: np.ndarray  # [k, n] int, each row's workers group by group
+  positions: np.ndarray  # [k * n] int, `members` as positions
+  inner: np.ndarray  # [k * n] bool, `Groups.inner` of each row
+  heads: np.ndarray  # [G] int, where each group begins in `positions`
+  first: np.ndarray  # [k + 1] int, each row's first group in `heads`
+  start: np.ndarray  # [G] float, `starts` one row after another
+
+
+def stacked(groups: list, starts: list, members: np.ndarray) -> Batch:
+  """The `Batch` of each row's `groups` and `starts` (`members`: `[k, n]`,
+  each row's `Groups.members`)."""
+  k, n = members.shape
+  heads = np.concatenate([g.offsets[:-1] + r * n
+                          for r, g in enumerate(groups)])
+  first = np.zeros(k + 1, np.int64)
+  np.cumsum([len(g) for g in groups], out=first[1:])
+  return Batch(groups, starts, members,
+               (members + np.arange(0, k * n, n)[:, None]).ravel(),
+               np.concatenate([g.inner for g in groups]), heads, first,
+               np.concatenate(starts))
+
+
+def window_batch(ready: np.ndarray, window: float, min_size: int = 1
+                 ) -> Batch:
+  """`window_groups` of each row of `ready` (`[k, n]`), stacked (`Batch`).
+
+  A signal more than `window` after the one before always opens a group,
+  and a run between two such gaps that spans at most `window` is one group,
+  so only the longer runs are walked one signal at a time; with `min_size`
+  > 1 every row is, by each group's first signal after its window.
+  """
+  k, n = ready.shape
+  order = np.argsort(ready, axis=1, kind="stable")
+  positions = (order + np.arange(0, k * n, n)[:, None]).ravel()
+  times = ready.ravel()[positions]
+  closes = times + window  # when a group opened by each signal closes
+  head = np.zeros(k * n, bool)
+  if min_size > 1:
+    closes = _grown_heads(times.reshape(k, n), closes.reshape(k, n),
+                          min_size, head.reshape(k, n)).ravel()
+  else:
+    np.greater(times[1:], closes[:-1], out=head[1:])
+    head[::n] = True
+    runs = np.flatnonzero(head)
+    ends = np.empty_like(runs)
+    ends[:-1] = runs[1:]
+    ends[-1] = k * n
+    ends -= 1
+    long = np.flatnonzero(times[ends] > closes[runs])
+    if len(long):
+      head[_walk(times, closes, runs[long], ends[long])] = True
+  heads = np.flatnonzero(head)
+  first = np.searchsorted(heads, np.arange(0, k * n + 1, n))
+  starts = closes[heads]
+  starts[first[1:] - 1] = times[n - 1::n]  # the last holds every worker left
+  inner = np.empty(k * n, bool)
+  np.logical_not(head[1:], out=inner[:-1])
+  inner[-1] = False
+  bounds = first + np.arange(k + 1)  # each row's offsets, its n included
+  offsets = np.empty((k, n + 1), bool)
+  offsets[:, :n] = head.reshape(k, n)
+  offsets[:, n] = True
+  offsets = np.nonzero(offsets)[1]
+  return Batch([Groups(order[r], offsets[bounds[r]:bounds[r + 1]])
+                for r in range(k)],
+               [starts[first[r]:first[r + 1]] for r in range(k)],
+               order, positions, inner, heads, first, starts)
+
+
+def _walk(times: np.ndarray, closes: np.ndarray, runs: np.ndarray,
+          ends: np.ndarray) -> list[int]:
+  """The signals after the first of each run `runs[i]..ends[i]` that open a
+  group: each one after the window of the last opened."""
+  sizes = ends - runs + 1
+  before = np.cumsum(sizes) - sizes  # each run's first in the lists
+  at = np.repeat(runs - before, sizes) + np.arange(before[-1] + sizes[-1])
+  t, c = times[at].tolist(), closes[at].tolist()
+  more = []
+  for a, lo, size in zip(runs.tolist(), before.tolist(), sizes.tolist()):
+    close = c[lo]
+    for i in range(lo + 1, lo + size):
+      if t[i] > close:
+        more.append(a + i - lo)
+        close = c[i]
+  return more
+
+
+def _grown_heads(times: np.ndarray, closes: np.ndarray, min_size: int,
+                 head: np.ndarray) -> np.ndarray:
+  """Marks in `head` (`[k, n]`) the signals that open a group under §4's
+  adaptive timeout, and returns when a group opened by each signal closes
+  (`[k, n]`)."""
+  k, n = times.shape
+  out = closes.copy()
+  for r in range(k):
+    t = times[r]
+    after = np.searchsorted(t, closes[r], side="right")
+    # the min_size-th signal from each one, and its ties
+    enough = np.searchsorted(t, t[np.minimum(np.arange(n) + min_size, n) - 1],
+                             side="right")
+    grown = enough > after  # then it closes as its last member joins
+    after = np.maximum(after, enough)
+    out[r, grown] = t[after[grown] - 1]
+    nexts, i = after.tolist(), 0
+    while i < n:
+      head[r, i] = True
+      i = nexts[i]
+  return out
 
 
 def window_groups(ready: np.ndarray, window: float, min_size: int = 1
@@ -96,140 +210,181 @@ def window_groups(ready: np.ndarray, window: float, min_size: int = 1
     >>> [x.tolist() for x in g], t
     ([[0, 1], [2, 3], [4]], [0.1, 1.2, 1.25])
   """
-  order = np.argsort(ready, kind="stable")
-  times = ready[order]
-  n = len(order)
-  after = np.searchsorted(times, times + window, side="right")
-  grown = None
-  if min_size > 1:  # the min_size-th signal from each one, and its ties
-    enough = np.searchsorted(times, times[np.minimum(np.arange(n) + min_size,
-                                                     n) - 1], side="right")
-    grown = enough > after
-    after = np.maximum(after, enough)
-  nexts, firsts, i = after.tolist(), [], 0
-  while i < n:
-    firsts.append(i)
-    i = nexts[i]
-  heads = np.array(firsts, np.int64)
-  starts = times[heads] + window
-  if grown is not None:  # an enlarged window closes as its last member joins
-    late = heads[grown[heads]]
-    starts[grown[heads]] = times[after[late] - 1]
-  starts[-1:] = times[-1:]  # the last group holds every worker still expected
-  return Groups(order, np.append(heads, n)), starts.tolist()
+  batch = window_batch(np.asarray(ready)[None], window, min_size)
+  return batch.groups[0], batch.starts[0].tolist()
 
 
-def _join(labels: np.ndarray, count: int, members: np.ndarray,
-          inner: np.ndarray) -> tuple[np.ndarray, int]:
-  """Components of `labels` (`[N]` in `[0, count)`) joined with groups.
-
-  The groups are runs of `members` (`inner[k]`: members `k` and `k + 1`
-  share one, as `Groups.inner`); only pairs whose labels differ are edges,
-  between labels, so the union-find runs over the few components rather
-  than the workers.
-
-  Returns:
-    `(labels [N], count)`: labels in `[0, count)`, ordered as their smallest
-    old label.
-  """
-  a = labels[members]
-  cross = a[:-1] != a[1:]
-  cross &= inner[:-1]
-  edges = np.flatnonzero(cross).tolist()
-  if not edges:
-    return labels, count
-  a = a.tolist()
-  parent = list(range(count))  # each label's parent is a smaller label
-  for k in edges:
-    x, y = a[k], a[k + 1]
-    while parent[x] != x:
-      parent[x] = parent[parent[x]]
-      x = parent[x]
-    while parent[y] != y:
-      parent[y] = parent[parent[y]]
-      y = parent[y]
-    if x < y:
-      parent[y] = x
-    elif y < x:
-      parent[x] = y
-  rank, count = parent, 0  # roots numbered in order, others as their root
-  for c, up in enumerate(parent):
-    if up == c:
-      rank[c] = count
-      count += 1
-    else:
-      rank[c] = rank[up]
-  return np.array(rank)[labels], count
-
-
-class SyncGraph:
-  """The sync graph of one stage's last `size` rows (seed 002 §3.3): a row
-  is the groups of one iteration (or one group, `Scheduler`'s
+class SyncWindow:
+  """The sync graphs of every stage over its last `size` rows (seed 002
+  §3.3): a row is the groups of one iteration (or one group, `Scheduler`'s
   `history_unit`), and the graph's edges join the members of each group.
 
-  Its components, with one more row, are a union-find over component labels
-  rather than workers: the window slides as a queue of two stacks, the older
-  rows each joined with the rows after it up to the end of their stack, the
-  newer ones joined as they come, so each row is joined about three times
-  whatever `size` is.
+  Its components are labels, one per worker, joined with a row's groups by a
+  union-find over the labels rather than the workers (`_join`). The window
+  slides in blocks of `size` rows: it keeps the components of the current
+  block's rows so far (`prefix`, one join per row) and of every suffix of the
+  last complete block (`suffix`, built backwards when a block completes: one
+  join per row), so the last `size` rows are one suffix and one prefix, and
+  a question about them one join more. Stages at the same point of their
+  window go through each step together, stacked (row `r` of a batch is
+  positions `r * n ...`); labels are global (stage `s`'s are `s * n ... s * n
+  + n - 1`), so the stages' components never meet.
 
   Examples:
-    >>> g = SyncGraph(2, 4)
-    >>> g.push(Groups(np.array([0, 1, 2, 3]), np.array([0, 2, 3, 4])))
-    >>> labels, count = g.components(
-    ...     Groups(np.array([1, 2, 0, 3]), np.array([0, 2, 3, 4])))
-    >>> labels.tolist(), count
-    ([0, 0, 0, 1], 2)
+    >>> w = SyncWindow(num_stages=1, size=2, num_workers=4)
+    >>> members = np.array([[0, 1, 2, 3]])
+    >>> inner = np.array([1, 0, 0, 0], bool)  # (0, 1), (2), (3)
+    >>> w.push([0], members, inner, w.joined([0], members[0], inner))
+    >>> inner = np.array([0, 1, 0, 0], bool)  # (0), (1, 2), (3)
+    >>> labels = w.components([0], w.joined([0], members[0], inner))
+    >>> (labels == labels[0]).tolist()  # 0-1 before, 1-2 now; 3 alone
+    [True, True, True, False]
   """
 
-  def __init__(self, size: int, num_workers: int):
-    self.size, self.n = size, num_workers
-    self.front = []  # (labels, count): oldest last, each joined to newer
-    self.back = []  # Groups, oldest first
-    self.newer = None  # (labels, count) of the rows in `back`
+  def __init__(self, num_stages: int, size: int, num_workers: int):
+    S, n = num_stages, num_workers
+    self.size, self.n = size, n
+    self.ids = np.arange(S * n).reshape(S, n)  # every worker alone
+    self.pushed = [0] * S  # rows each stage pushed
+    rows = max(size, 1)
+    self.prefix = self.ids.copy()  # [S, n] labels: the block's rows so far
+    self.suffix = np.empty((S, rows, n), np.int64)  # [s, i]: rows i.. of
+    #   the last complete block
+    self.members = np.empty((S, rows, n), np.int64)  # the block's rows (as
+    self.inner = np.empty((S, rows, n), bool)  # `Batch.members`, `inner`)
+    self._parent = list(range(S * n))  # the union-find, identity between
 
-  def push(self, groups: Groups) -> None:
-    """Adds a row, dropping the oldest beyond `size`."""
-    if self.size == 0:
+  def joined(self, stages: list, positions: np.ndarray, inner: np.ndarray
+             ) -> np.ndarray:
+    """`[k * n]` components of each stage's current block so far plus one
+    row (`positions`, `inner`: `[k * n]`, as `Batch`'s)."""
+    if self._point(stages)[0]:
+      return self._join(self.prefix[stages].ravel(), positions, inner)
+    return self._labels(stages, positions, inner)
+
+  def components(self, stages: list, joined: np.ndarray) -> np.ndarray:
+    """`[k * n]` labels of the last `size` rows plus the row of `joined`
+    (`joined`'s result): workers share a label iff connected."""
+    j, full = self._point(stages)
+    if not full:
+      return joined
+    older = self.suffix[stages, j].ravel()  # size - j rows
+    coarse, fine = (older, joined) if self.size - j > j else (joined, older)
+    # Each worker's label joined with that of one member of its finer
+    # component (whichever: the components are the same), so that the
+    # union-find over the coarser labels (a few large components) sees few
+    # edges.
+    member = np.empty(self.ids.size, np.int64)
+    member[fine] = coarse
+    other = member[fine]
+    differ = np.flatnonzero(coarse != other)
+    return self._union(coarse, coarse[differ], other[differ])
+
+  def push(self, stages: list, members: np.ndarray, inner: np.ndarray,
+           joined: np.ndarray) -> None:
+    """Adds each stage's row (`members` `[k, n]` as `Batch`'s, `inner` `[k *
+    n]`, `joined`: `self.joined` of it), dropping the oldest beyond
+    `size`."""
+    if not self.size:
       return
-    self.newer = (_join(*self.newer, groups.members, groups.inner)
-                  if self.newer else (groups.labels(self.n), len(groups)))
-    self.back.append(groups)
-    if len(self.front) + len(self.back) <= self.size:
-      return
-    if not self.front:
-      *rest, last = self.back
-      joined = (last.labels(self.n), len(last))
-      self.front = [joined]
-      for row in reversed(rest):
-        joined = _join(*joined, row.members, row.inner)
-        self.front.append(joined)
-      self.back, self.newer = [], None
-    self.front.pop()
+    j, _ = self._point(stages)
+    k, n = members.shape
+    self.members[stages, j] = members
+    self.inner[stages, j] = inner.reshape(k, n)
+    self.prefix[stages] = joined.reshape(k, n)
+    for s in stages:
+      self.pushed[s] += 1
+    if j == self.size - 1:
+      self._rebuild(stages)
 
-  def components(self, groups: Groups) -> tuple[np.ndarray, int]:
-    """`(labels [N], count)` of the graph plus `groups`' edges."""
-    if not self.front:
-      if self.newer:
-        return _join(*self.newer, groups.members, groups.inner)
-      return groups.labels(self.n), len(groups)
-    labels, count = self.front[-1]
-    if not self.newer:
-      return _join(labels, count, groups.members, groups.inner)
-    newer = self.newer[0]  # its components as groups, then `groups`
-    order = np.argsort(newer, kind="stable")
-    ranked = newer[order]
-    inner = np.empty(2 * self.n, bool)
-    np.equal(ranked[1:], ranked[:-1], out=inner[:self.n - 1])
-    inner[self.n - 1] = False
-    inner[self.n:] = groups.inner
-    return _join(labels, count, np.concatenate([order, groups.members]),
-                 inner)
+  def _rebuild(self, stages: list) -> None:
+    """The suffixes of the block the stages just completed."""
+    size, k = self.size, len(stages)
+    self.suffix[stages, 0] = self.prefix[stages]
+    rows = np.arange(0, k * self.n, self.n)[:, None]
+    labels = None
+    for i in range(size - 1, 0, -1):
+      positions = (self.members[stages, i] + rows).ravel()
+      inner = self.inner[stages, i].ravel()
+      labels = (self._labels(stages, positions, inner) if labels is None
+                else self._join(labels, positions, inner))
+      self.suffix[stages, i] = labels.reshape(k, self.n)
+
+  def _point(self, stages: list) -> tuple[int, bool]:
+    """`(j, full)`: the rows of the current block the stages pushed, and
+    whether a complete block precedes them (the same for all of them)."""
+    pushed = self.pushed[stages[0]]
+    if any(self.pushed[s] != pushed for s in stages):
+      raise ValueError(f"stages {stages} have pushed "
+                       f"{[self.pushed[s] for s in stages]} rows; valid: "
+                       "stages at the same row")
+    if not self.size:
+      return 0, False
+    return pushed % self.size, pushed >= self.size
+
+  def _labels(self, stages: list, positions: np.ndarray, inner: np.ndarray
+              ) -> np.ndarray:
+    """`[k * n]` each worker's group in its row, as labels of its stage."""
+    k, n = len(stages), self.n
+    head = np.empty(k * n, bool)
+    head[0] = True
+    np.logical_not(inner[:-1], out=head[1:])
+    group = np.cumsum(head.reshape(k, n), axis=1)
+    group += self.ids[stages, :1] - 1
+    labels = np.empty(k * n, np.int64)
+    labels[positions] = group.ravel()
+    return labels
+
+  def _join(self, labels: np.ndarray, positions: np.ndarray,
+            inner: np.ndarray) -> np.ndarray:
+    """`labels` (`[k * n]`) joined with the groups of `positions`, `inner`.
+
+    Only members next to each other in a group whose labels differ are
+    edges, between labels, so the union-find runs over the few components
+    rather than the workers; each label's root is its component's smallest.
+    """
+    a = labels[positions]
+    cross = a[:-1] != a[1:]
+    cross &= inner[:-1]
+    edges = np.flatnonzero(cross)
+    return self._union(labels, a[edges], a[edges + 1])
+
+  def _union(self, labels: np.ndarray, x: np.ndarray, y: np.ndarray
+             ) -> np.ndarray:
+    """`labels` with `x[i]` and `y[i]` joined, each label becoming its
+    component's smallest."""
+    if not len(x):
+      return labels
+    parent, moved = self._parent, []
+    for x, y in zip(x.tolist(), y.tolist()):
+      while parent[x] != x:
+        parent[x] = x = parent[parent[x]]
+      while parent[y] != y:
+        parent[y] = y = parent[parent[y]]
+      if x < y:
+        parent[y] = x
+        moved.append(y)
+      elif y < x:
+        parent[x] = y
+        moved.append(x)
+    if not moved:
+      return labels
+    roots = []
+    for x in moved:
+      while parent[x] != x:
+        x = parent[x]
+      roots.append(x)
+    mapping = self.ids.ravel().copy()
+    mapping[moved] = roots
+    for x in moved:
+      parent[x] = x
+    return mapping[labels]
 
 
-def enforce(groups: Groups, graph: SyncGraph) -> list[int]:
-  """The groups that must wait for their predecessor so that `graph` plus
-  `groups` is connected.
+def waits(components: np.ndarray, batch: Batch) -> list[list[int]]:
+  """Per row, the groups that must wait for their predecessor so that the
+  row's sync graph (`components`, `SyncWindow.components` of it) is
+  connected.
 
   In time order, the earliest group that does not share a component with
   the next one waits for it and they merge (seed 002 §3.4: "wait for more
@@ -237,46 +392,34 @@ def enforce(groups: Groups, graph: SyncGraph) -> list[int]:
   so far are one component, so a group merges into its predecessor exactly
   when it is the first of its component.
 
-  Args:
-    groups: this iteration's groups, in time order.
-    graph: the sync graph of the previous iterations.
-
   Returns:
-    The indices of the groups that merge into the one before, increasing;
-    empty when the graph is connected.
-
-  Examples:
-    >>> g, _ = window_groups(np.array([0.0, 1.0, 1.05]), 0.1)
-    >>> enforce(g, SyncGraph(0, 3))
-    [1]
+    Per row, the indices of its groups that merge into the one before,
+    increasing; empty when the graph is connected.
   """
-  if len(groups) == 1:
-    return []
-  comp, count = graph.components(groups)
-  if count == 1:
-    return []
-  seen, waits = set(), []
-  for j, head in enumerate(comp[groups.members[groups.offsets[:-1]]].tolist()):
-    if head not in seen:
-      seen.add(head)
-      waits.append(j)
-  return waits[1:]
+  label = components[batch.positions[batch.heads]]  # rows' labels differ
+  order = np.arange(len(label))
+  first = np.full(label.max() + 1, len(label))
+  np.minimum.at(first, label, order)
+  firsts = np.flatnonzero(first[label] == order)
+  cut = np.searchsorted(firsts, batch.first)
+  return [(firsts[cut[r] + 1:cut[r + 1]] - batch.first[r]).tolist()
+          for r in range(len(batch.groups))]
 
 
-def merge(groups: Groups, starts: list, waits: list[int]
-          ) -> tuple[Groups, list]:
+def merge(groups: Groups, starts: np.ndarray, waits: list[int]
+          ) -> tuple[Groups, np.ndarray]:
   """`groups` with each of `waits` merged into the group before; a merged
   group starts when its last part does.
 
   Examples:
     >>> g, t = merge(Groups(np.arange(3), np.arange(4)), [0.0, 1.0, 2.0], [1])
-    >>> [x.tolist() for x in g], t
+    >>> [x.tolist() for x in g], t.tolist()
     ([[0, 1], [2]], [1.0, 2.0])
   """
   kept = np.ones(len(groups), bool)
   kept[waits] = False
   firsts = np.flatnonzero(kept)
-  merged = np.maximum.reduceat(np.asarray(starts), firsts).tolist()
+  merged = np.maximum.reduceat(np.asarray(starts), firsts)
   offsets = np.append(groups.offsets[:-1][kept], len(groups.members))
   return Groups(groups.members, offsets), merged
 
@@ -326,10 +469,11 @@ class Scheduler:
                enforce: bool = True, min_size: int = 1,
                history_unit: str = "iteration"):
     check(history, window, min_size, history_unit)
+    self.num_stages = num_stages
     self.window, self.enforce, self.history = window, enforce, history
     self.min_size = min_size  # §4's adaptive timeout (`window_groups`)
     self.history_unit = history_unit
-    self.past = [None] * num_stages  # SyncGraph of the last P - 1 units
+    self.past = None  # SyncWindow of the last P - 1 units of every stage
     self.waiting = {}  # stage -> (begin, end) of its last enforcement wait
     self.groups = [[] for _ in range(num_stages)]  # per stage, per iteration
     self.skipped = []  # (stage, iteration) whose validation was skipped
@@ -337,24 +481,53 @@ class Scheduler:
   def decide(self, stage: int, iteration: int, ready: np.ndarray
              ) -> tuple[Groups, list]:
     """This iteration's groups of `stage` and when each starts averaging."""
-    if self.past[stage] is None:
-      self.past[stage] = SyncGraph(self.history - 1, len(ready))
-    groups, starts = window_groups(ready, self.window, self.min_size)
+    batch = self.decide_many([stage], iteration, np.asarray(ready)[None])
+    return batch.groups[0], batch.starts[0].tolist()
+
+  def decide_many(self, stages: list, iteration: int, ready: np.ndarray
+                  ) -> Batch:
+    """`decide` for each of `stages` in turn (`ready`: `[k, N]`), with the
+    grouping and the sync graphs of all of them computed together; only the
+    deadlock rule, which looks at the stages decided before, runs one
+    stage at a time.
+
+    Returns:
+      The groups decided, stacked (`Batch`).
+    """
+    stages = list(stages)
+    if self.past is None:
+      self.past = SyncWindow(self.num_stages, self.history - 1,
+                             ready.shape[1])
+    batch = window_batch(ready, self.window, self.min_size)
+    groups, starts = list(batch.groups), list(batch.starts)
     if self.history_unit == "group":
-      groups, starts = self._by_group(stage, iteration, groups, starts)
-      self.groups[stage].append(groups)
-      return groups, starts
-    waits = enforce(groups, self.past[stage]) if self.enforce else []
-    if waits:
-      begin = starts[waits[0] - 1]  # the earliest group that waits
-      if self._blocked(stage, begin):
-        self.skipped.append((stage, iteration))
-      else:
-        groups, starts = merge(groups, starts, waits)
-        self.waiting[stage] = (begin, max(starts))
-    self.past[stage].push(groups)
-    self.groups[stage].append(groups)
-    return groups, starts
+      for r, s in enumerate(stages):
+        groups[r], starts[r] = self._by_group(s, iteration, groups[r],
+                                              starts[r])
+        self.groups[s].append(groups[r])
+      return stacked(groups, starts, batch.members)
+    joined = self.past.joined(stages, batch.positions, batch.inner)
+    late = (waits(self.past.components(stages, joined), batch)
+            if self.enforce else [[]] * len(stages))
+    merged = []
+    for r, stage in enumerate(stages):
+      if late[r]:
+        begin = starts[r][late[r][0] - 1]  # the earliest group that waits
+        if self._blocked(stage, begin):
+          self.skipped.append((stage, iteration))
+        else:
+          groups[r], starts[r] = merge(groups[r], starts[r], late[r])
+          self.waiting[stage] = (begin, starts[r].max())
+          merged.append(r)
+      self.groups[stage].append(groups[r])
+    if merged:
+      batch, n = stacked(groups, starts, batch.members), ready.shape[1]
+      joined = joined.copy()
+      for r in merged:
+        joined[r * n:r * n + n] = self.past.joined(
+            [stages[r]], groups[r].members, groups[r].inner)
+    self.past.push(stages, batch.members, batch.inner, joined)
+    return batch
 
   def _blocked(self, stage: int, begin: float) -> bool:
     """Whether another stage's enforcement is still waiting at `begin`."""
@@ -363,28 +536,32 @@ class Scheduler:
 
   def _by_group(self, stage, iteration, groups, starts):
     """This iteration's groups validated one by one (`history_unit`)."""
-    graph, n = self.past[stage], len(groups.members)
-    waits, checking, begin = [], self.enforce, None
+    graph, n = self.past, len(groups.members)
+    waits_, checking, begin = [], self.enforce, None
     first = 0  # the candidate: groups first..j
     for j in range(len(groups)):
       lo, hi = groups.offsets[first], groups.offsets[j + 1]
       alone = np.setdiff1d(np.arange(n), groups.members[lo:hi])
-      row = Groups(np.concatenate([groups.members[lo:hi], alone]),
-                   np.concatenate([[0], np.arange(hi - lo, n + 1)]))
-      if checking and j + 1 < len(groups) and graph.components(row)[1] > 1:
-        if begin is None and self._blocked(stage, starts[j]):
-          self.skipped.append((stage, iteration))
-          checking = False
-        else:
-          begin = starts[j] if begin is None else begin
-          waits.append(j + 1)  # waits for the next group and merges
-          continue
-      graph.push(row)
+      members = np.concatenate([groups.members[lo:hi], alone])
+      inner = np.zeros(n, bool)
+      inner[:hi - lo - 1] = True
+      joined = graph.joined([stage], members, inner)
+      if checking and j + 1 < len(groups):
+        labels = graph.components([stage], joined)
+        if (labels != labels[0]).any():
+          if begin is None and self._blocked(stage, starts[j]):
+            self.skipped.append((stage, iteration))
+            checking = False
+          else:
+            begin = starts[j] if begin is None else begin
+            waits_.append(j + 1)  # waits for the next group and merges
+            continue
+      graph.push([stage], members[None], inner, joined)
       first = j + 1
-    if not waits:
+    if not waits_:
       return groups, starts
-    groups, starts = merge(groups, starts, waits)
-    self.waiting[stage] = (begin, max(starts))
+    groups, starts = merge(groups, starts, waits_)
+    self.waiting[stage] = (begin, starts.max())
     return groups, starts
 
 

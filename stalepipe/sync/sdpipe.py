@@ -82,8 +82,8 @@ class SDPipe(base.SyncPolicy):
     """Runs the scheduler up to `iteration`, stages in ready order."""
     while self._iterations <= iteration:
       k, ready = self._iterations, self._ready(self._iterations)
-      for j in sorted(range(self._num_stages), key=lambda j: ready[j].min()):
-        self._scheduler.decide(j, k, ready[j])
+      order = sorted(range(self._num_stages), key=lambda j: ready[j].min())
+      self._scheduler.decide_many(order, k, ready[order])
       self._iterations += 1
 
   def mixing(self, stage: int, minibatch: int) -> np.ndarray:
