@@ -669,6 +669,12 @@ def apply_updates(ctx: Stages, windows, carries, instrs) -> tuple:
                       tuple(carries))
 
 
+def _blank(name: str, column: jax.Array) -> jax.Array:
+  """One tick of table column `name` in which a stage does nothing."""
+  return jnp.full_like(column[:1],
+                       -1 if name in program_lib.BLANK_MINUS_ONE else 0)
+
+
 def with_closing_tick(table: program_lib.Instructions
                       ) -> program_lib.Instructions:
   """A window's table `[T, S]` with one blank tick after its last, in which
@@ -676,9 +682,7 @@ def with_closing_tick(table: program_lib.Instructions
   files that too (filed after the loop, XLA would copy every stage's buffers
   to update them) and the next window's first tick has nothing to file."""
   return program_lib.Instructions(*[
-      jnp.concatenate([c, jnp.full((1,) + c.shape[1:], -1 if name in
-                                   program_lib.BLANK_MINUS_ONE else 0,
-                                   c.dtype)])
+      jnp.concatenate([c, _blank(name, c)])
       for name, c in zip(program_lib.Instructions._fields, table)])
 
 
@@ -686,9 +690,7 @@ def last_tick(table: program_lib.Instructions) -> program_lib.Instructions:
   """Every stage's row of the tick before, per tick (blank before the
   first: a window's first tick files nothing, `with_closing_tick`)."""
   return program_lib.Instructions(*[
-      jnp.concatenate([jnp.full_like(c[:1], -1 if name in
-                                     program_lib.BLANK_MINUS_ONE else 0),
-                       c[:-1]])
+      jnp.concatenate([_blank(name, c), c[:-1]])
       for name, c in zip(program_lib.Instructions._fields, table)])
 
 
