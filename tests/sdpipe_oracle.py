@@ -3,10 +3,12 @@
 The oracle the vectorised `stalepipe.sync.grouping` is tested against,
 decision for decision (seed 002 §3.2-3.4), with Algorithm 2 as an event loop
 over the signals (`algorithm2`, §4's adaptive timeout included) and P counted
-in group-sync operations (`GroupClockScheduler`).
+in group-sync operations (`GroupClockScheduler`); and Algorithms 1-2 across
+iterations, groups formed by arrival, as a plain event loop (`arrival_loop`).
 """
 
 import collections
+import heapq
 
 import numpy as np
 
@@ -172,3 +174,95 @@ class GroupClockScheduler:
     if begin is not None:
       self.waiting[stage] = (begin, max(out_starts))
     return out, out_starts
+
+
+def arrival_loop(num_stages, num_workers, num_iterations, history, window,
+                 next_signal, min_size=1, history_unit="iteration",
+                 enforce=True, averaging=lambda stage, size: 0.0):
+  """Seed 002 Algorithms 1-2 across iterations, as a plain event loop.
+
+  Every worker signals after each iteration's update and waits for its
+  group (Algorithm 1); `next_signal(stage, worker, iteration, resumed)` is
+  when it signals after `iteration`, given when its last group's averaging
+  ended (0 before the first; a group of k averages `averaging(stage, k)`
+  seconds). Time moves to the next signal or window end;
+  at each instant the signals arrive first, then each stage, lowest first,
+  takes its decision if one is due: its window ended, every worker still
+  expected has joined, or a group waiting to grow reached `min_size`. A
+  signal opens a window of `window` when none is open. A candidate with too
+  few workers, or whose sync graph is disconnected (union-find over the
+  last P - 1 groups, or over the groups of iterations within P - 1 of its
+  own, the newest any member is at), waits: for more signals until it has
+  `min_size`, otherwise for the window the next signal opens, and merges
+  with it. A wait may not begin while another stage's is waiting: the
+  candidate is then sent as it is and (stage, iteration) recorded.
+
+  Returns:
+    `(groups, skipped)`: per stage, `(members, iterations, close)` of each
+    group in time order; the skips.
+  """
+  signals = []
+  for s in range(num_stages):
+    for w in range(num_workers):
+      heapq.heappush(signals, (next_signal(s, w, 0, 0.0), s, w, 0))
+  state = [{"members": [], "end": None, "since": None, "growing": False}
+           for _ in range(num_stages)]
+  expected = [num_workers] * num_stages
+  sent = [[] for _ in range(num_stages)]  # (members, iterations, close)
+  skipped = []
+
+  def connected(s, members, label):
+    if history_unit == "group":
+      recent = [g[0] for g in sent[s][max(len(sent[s]) - history + 1, 0):]
+                ] if history > 1 else []
+    else:
+      recent = [g[0] for g in sent[s]
+                if label - history + 1 <= max(g[1]) <= label]
+    return sync_graph(num_workers, recent + [members]).components == 1
+
+  def decide(s, now):
+    st = state[s]
+    candidate = st["members"]
+    members = [w for _, w, _ in candidate]
+    iterations = [k for _, _, k in candidate]
+    everyone = len(candidate) == expected[s]
+    too_few = not everyone and len(candidate) < min_size
+    if too_few or (enforce and not everyone
+                   and not connected(s, members, max(iterations))):
+      others = [t for r, t in enumerate(state) if r != s
+                and t["since"] is not None]
+      if st["since"] is not None or not others:
+        if st["since"] is None:
+          st["since"] = now
+        st["growing"], st["end"] = too_few, None
+        return
+      skipped.append((s, max(iterations)))
+    sent[s].append((members, iterations, now))
+    state[s] = {"members": [], "end": None, "since": None, "growing": False}
+    resumed = now + averaging(s, len(members))
+    for w, k in zip(members, iterations):
+      if k + 1 < num_iterations:
+        heapq.heappush(signals, (next_signal(s, w, k + 1, resumed), s, w,
+                                 k + 1))
+      else:
+        expected[s] -= 1
+
+  while True:
+    ends = [st["end"] for st in state if st["end"] is not None]
+    times = ends + ([signals[0][0]] if signals else [])
+    if not times:
+      break
+    now = min(times)
+    while signals and signals[0][0] <= now:
+      t, s, w, k = heapq.heappop(signals)
+      st = state[s]
+      st["members"].append((t, w, k))
+      if st["end"] is None and not st["growing"]:
+        st["end"] = t + window
+    for s, st in enumerate(state):
+      if st["members"] and (
+          len(st["members"]) == expected[s]
+          or (st["end"] is not None and st["end"] <= now)
+          or (st["growing"] and len(st["members"]) >= min_size)):
+        decide(s, now)
+  return sent, skipped

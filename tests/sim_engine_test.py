@@ -153,7 +153,7 @@ def test_sdpipe_run_equals_union_find_scheduler(history, window, monkeypatch):
       s, cluster(N, S), costs(S), sp.sim.sdpipe(history, window),
       perturbations=[sp.sim.hete("B")], seed=history)
   fast = run()
-  monkeypatch.setattr(sdpipe_sync.grouping, "Scheduler", OracleScheduler)
+  monkeypatch.setattr(sdpipe_sync.grouping_lib, "Scheduler", OracleScheduler)
   slow = run()
   assert_same(fast, slow)
   assert fast.extras["sdpipe_skipped"] == slow.extras["sdpipe_skipped"]

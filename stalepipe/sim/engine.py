@@ -34,7 +34,10 @@ that decides several syncs at once (`Runner.defers`: SDPipe) has each sync
 held until a task reads the version it applies, and is then handed the held
 syncs of one minibatch together (`Runner.sync_many`). Observed staleness,
 which never feeds back into time, is merged after the walk
-(`Knowledge.observe`).
+(`Knowledge.observe`). A policy whose groups hold workers at different
+iterations (`Runner.crosses_iterations`: SDPipe's grouping by arrival) is
+walked worker by worker in time order instead (`stalepipe.sim.arrival`),
+then once more as above with the versions' recorded times, for the waits.
 
 The walk keeps only a ring of the task rows a later task looks back on (its
 dependency, the stage's previous task, the iteration's first task): busy
@@ -59,6 +62,7 @@ import numpy as np
 
 from stalepipe.schedules import core
 from stalepipe.schedules import kinds
+from stalepipe.sim import arrival as arrival_lib
 from stalepipe.sim import cluster as cluster_lib
 from stalepipe.sim import knowledge as knowledge_lib
 from stalepipe.sim import policy as policy_lib
@@ -238,13 +242,25 @@ def simulate(schedule: core.Schedule, cluster: cluster_lib.Cluster,
   syncs = _Syncs(runner, reflected=np.zeros((S, B, N), dtype=np.int64),
                  comm=[], groups=[{} for _ in range(B)])
   rows = _rows(walk.window, N)
-  wait, last_end = _walk(walk, rows, delay, scale, update, applied, local_end,
-                         gate, syncs)
-  # Observed staleness never feeds back into time: after the walk,
-  # minibatch by minibatch, what each backward read, then the groups merged.
-  knowledge_lib.Knowledge(S, N, B + 1, depth, kept).observe(
-      [[synced[s] for s in range(S)] for synced in syncs.groups],
-      plan.backward_version, syncs.reflected)
+  if runner.crosses_iterations:
+    # Each worker on its own, in time order; then the walk again with the
+    # versions' recorded times, for the waits.
+    comm, groups = arrival_lib.walk_by_arrival(walk, runner, delay, scale,
+                                               update, applied, local_end)
+    syncs.comm.extend(comm)
+    wait, last_end = _walk(walk, rows, delay, scale, update, applied,
+                           local_end, gate, None)
+    syncs.reflected[:] = knowledge_lib.by_arrival(
+        groups, plan.backward_version, N)
+  else:
+    wait, last_end = _walk(walk, rows, delay, scale, update, applied,
+                           local_end, gate, syncs)
+    # Observed staleness never feeds back into time: after the walk,
+    # minibatch by minibatch, what each backward read, then the groups
+    # merged.
+    knowledge_lib.Knowledge(S, N, B + 1, depth, kept).observe(
+        [[synced[s] for s in range(S)] for synced in syncs.groups],
+        plan.backward_version, syncs.reflected)
   busy = np.einsum("bsn,bs->sn", scale, walk.iteration_seconds)
   task_times = functools.partial(_replay, walk, delay, scale, update, applied,
                                  local_end, gate)

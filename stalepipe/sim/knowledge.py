@@ -254,3 +254,50 @@ def _merge(know: np.ndarray, sums: np.ndarray, rows: np.ndarray) -> None:
     block = np.maximum(block[:half], block[half:], out=block[:half])
   know[rows] = block[0]
   sums[rows] = block[0].sum(axis=1, dtype=sums.dtype)
+
+
+def by_arrival(groups: list, read: np.ndarray, num_replicas: int
+               ) -> np.ndarray:
+  """Updates reflected under groups that hold workers at different
+  iterations (SDPipe's grouping by arrival, seed 002 Algorithm 2).
+
+  Each worker has its own row `know[i]`: after its own update of iteration
+  k its entry `i` is `k + 1`, and a group leaves every member with the
+  elementwise maximum of the members' rows as they signalled. So a worker
+  after a group reflects the other members' updates up to each one's own
+  iteration: after a group with a worker one iteration ahead, one update of
+  it more than of itself. Its version `k + 1` (the weights after that
+  group) is that row; version 0 reflects nothing.
+
+  Args:
+    groups: per stage, its groups in time order, each with `members` and
+      `iterations` (`grouping.Arrival`).
+    read: `[S, B]` the version each stage's backward of each minibatch read.
+    num_replicas: N.
+
+  Returns:
+    `[S, B, N]` the updates each backward's weights reflect.
+
+  Examples:
+    >>> from stalepipe.sync import grouping
+    >>> g = lambda m, k: grouping.Arrival(np.array(m), np.array(k), None, 0.0)
+    >>> groups = [[g([0], [0]), g([1, 0], [0, 1])]]  # 0 at 1 meets 1 at 0
+    >>> by_arrival(groups, np.array([[0, 1]]), 2)[0].tolist()
+    [[0, 0], [1, 3]]
+  """
+  S, B = read.shape
+  n = num_replicas
+  out = np.zeros((S, B, n), np.int64)
+  for s in range(S):
+    readers = np.argsort(read[s], kind="stable")
+    bounds = np.searchsorted(read[s][readers], np.arange(B + 2))
+    know = np.zeros((n, n), np.int64)
+    for group in groups[s]:
+      members, iterations = group.members, group.iterations
+      rows = know[members]
+      rows[np.arange(len(members)), members] = iterations + 1
+      know[members] = merged = rows.max(axis=0)
+      total = merged.sum()
+      for m, v in zip(members.tolist(), (iterations + 1).tolist()):
+        out[s, readers[bounds[v]:bounds[v + 1]], m] = total
+  return out

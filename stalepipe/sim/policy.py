@@ -107,6 +107,11 @@ class Runner:
   # it applies, and hand the syncs held to `sync_many` together (a runner
   # that defers neither gates nor floors).
   defers = False
+  # Whether a group may hold workers at different iterations (SDPipe's
+  # grouping by arrival): the simulator then walks each worker on its own
+  # and hands the runner each ready signal (`signal`), taking its decisions
+  # in time order (`next`, `decide`; `stalepipe.sim.arrival`).
+  crosses_iterations = False
 
   def __init__(self, ctx: Context):
     self.ctx = ctx

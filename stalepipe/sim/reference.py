@@ -88,6 +88,10 @@ def simulate(schedule: core.Schedule, cluster: cluster_lib.Cluster,
   """`stalepipe.sim.simulate`, one NumPy step per task (same arguments)."""
   policy, runner, delay, scale, update = engine.start_run(
       schedule, cluster, costs, policy, perturbations, seed)
+  if runner.crosses_iterations:
+    raise ValueError(f"sync policy {policy.name!r} groups workers across "
+                     "iterations, which this simulator's per-minibatch syncs "
+                     "cannot time; valid: stalepipe.sim.simulate")
   S, B, N = schedule.num_stages, schedule.num_minibatches, cluster.num_pipelines
   plan = _compile(schedule, costs)
   xfer = _transfers(plan, cluster, costs)

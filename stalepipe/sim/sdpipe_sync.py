@@ -18,10 +18,14 @@ an enforcement on another stage is still waiting; such a validation is
 skipped for the iteration (the connectivity may be violated briefly) and
 counted.
 
-Grouping is per iteration: the replicas of stage `s` that finished minibatch
-`p` are grouped among themselves (the global clock `k` of eq. 1). The
-simulator processes events in dependency order, so a wait on another stage
-is "still waiting" when its interval covers this stage's first ready time.
+By default grouping is per iteration: the replicas of stage `s` that
+finished minibatch `p` are grouped among themselves (the global clock `k` of
+eq. 1). The simulator processes events in dependency order, so a wait on
+another stage is "still waiting" when its interval covers this stage's first
+ready time. With `grouping="arrival"` the scheduler groups whoever signals
+within T, whatever iteration each is at (Algorithm 2 as written;
+`grouping.ArrivalScheduler`), and the simulator walks each worker on its own
+in time order (`stalepipe.sim.arrival`).
 """
 
 import dataclasses
@@ -31,7 +35,17 @@ import numpy as np
 
 from stalepipe.sim import cluster as cluster_lib
 from stalepipe.sim import policy
-from stalepipe.sync import grouping
+from stalepipe.sync import grouping as grouping_lib
+
+
+def _averaging_seconds(ctx) -> np.ndarray:
+  """`[S, 2, N + 1]`: a group's averaging by its size, across nodes and
+  within one."""
+  return np.array([[[0.0] + [
+      cluster_lib.ring_allreduce_seconds(b, n, link)
+      for n in range(1, ctx.num_pipelines + 1)]
+                    for link in (ctx.cluster.inter, ctx.cluster.intra)]
+                   for b in ctx.costs.param_bytes])
 
 
 class _SDPipeRunner(policy.Runner):
@@ -42,14 +56,7 @@ class _SDPipeRunner(policy.Runner):
     super().__init__(ctx)
     self.scheduler = scheduler
     self.nodes = ctx.cluster.nodes.T  # [S, N]
-    # [S, 2, N + 1]: a group's averaging by its size, across nodes and
-    # within one.
-    self.seconds = np.array([[[0.0] + [
-        cluster_lib.ring_allreduce_seconds(b, n, link)
-        for n in range(1, ctx.num_pipelines + 1)]
-                              for link in (ctx.cluster.inter,
-                                           ctx.cluster.intra)]
-                             for b in ctx.costs.param_bytes])
+    self.seconds = _averaging_seconds(ctx)
 
   def sync(self, stage, minibatch, ready):
     return self.sync_many([stage], minibatch, ready[None])[0]
@@ -89,6 +96,41 @@ class _SDPipeRunner(policy.Runner):
             "sdpipe_skipped": self.scheduler.skipped}
 
 
+class _ArrivalRunner(policy.Runner):
+  """SDPipe grouping by arrival: the simulator hands each ready signal as it
+  happens (`signal`) and takes the scheduler's decisions in time order
+  (`next`, `decide`; `stalepipe.sim.arrival`)."""
+
+  crosses_iterations = True
+
+  def __init__(self, ctx, scheduler):
+    super().__init__(ctx)
+    self.scheduler = scheduler
+    self.nodes = ctx.cluster.nodes.T  # [S, N]
+    self.seconds = _averaging_seconds(ctx)
+
+  def signal(self, stage, worker, iteration, time):
+    self.scheduler.signal(stage, worker, iteration, time)
+
+  def next(self):
+    return self.scheduler.next()
+
+  def decide(self, stage):
+    """`(group, end)`: the group sent and when its averaging ends (a lone
+    worker's when its window closes), or None."""
+    group = self.scheduler.decide(stage)
+    if group is None:
+      return None
+    nodes = self.nodes[stage, group.members]
+    one_node = int(nodes.min() == nodes.max())
+    return group, group.close + self.seconds[stage, one_node,
+                                             len(group.members)]
+
+  def extras(self):
+    return {"sdpipe_arrivals": self.scheduler.groups,
+            "sdpipe_skipped": self.scheduler.skipped}
+
+
 @dataclasses.dataclass(frozen=True)
 class SDPipe:
   """SDPipe's scheduler with connectivity budget `P` and window `T`.
@@ -104,6 +146,14 @@ class SDPipe:
       `grouping.window_groups`).
     history_unit: what P counts, "iteration" or "group" (group-sync
       operations, §3.2's clock k; `grouping.Scheduler`).
+    grouping: "iteration" (the replicas that finished the same minibatch
+      group among themselves; what the lockstep executor replays) or
+      "arrival" (Algorithm 2 as written: whoever signals within T, whatever
+      iteration each is at; the simulator only:
+      `grouping.ArrivalScheduler`). Under "arrival" the records are
+      `extras["sdpipe_arrivals"]` (per stage, the groups in time order,
+      `grouping.Arrival`: members, the iteration each signalled after, ready
+      times, close) instead of `"sdpipe_groups"`.
 
   References:
     Miao et al, SDPipe: A Semi-Decentralized Framework for Heterogeneity-aware
@@ -116,21 +166,28 @@ class SDPipe:
   enforce: bool = True
   min_size: int = 1
   history_unit: str = "iteration"
+  grouping: str = "iteration"
   name = "sdpipe"
 
   def __post_init__(self):
-    grouping.check(self.history, self.window, self.min_size,
-                   self.history_unit)
+    grouping_lib.check(self.history, self.window, self.min_size,
+                   self.history_unit, self.grouping)
 
   def start(self, ctx: policy.Context) -> policy.Runner:
-    return _SDPipeRunner(ctx, grouping.Scheduler(
+    if self.grouping == "arrival":
+      return _ArrivalRunner(ctx, grouping_lib.ArrivalScheduler(
+          ctx.cluster.num_stages, ctx.num_pipelines, ctx.num_minibatches,
+          self.history, self.window, self.enforce, self.min_size,
+          self.history_unit))
+    return _SDPipeRunner(ctx, grouping_lib.Scheduler(
         ctx.cluster.num_stages, self.history, self.window, self.enforce,
         self.min_size, self.history_unit))
 
 
 def sdpipe(history: int = 10, window: float = math.inf,
            enforce: bool = True, min_size: int = 1,
-           history_unit: str = "iteration") -> SDPipe:
+           history_unit: str = "iteration",
+           grouping: str = "iteration") -> SDPipe:
   """SDPipe with connectivity budget P=`history` and window T=`window` seconds.
 
   Time only; `stalepipe.sync.sdpipe(N, history, window)` is the same policy
@@ -140,8 +197,8 @@ def sdpipe(history: int = 10, window: float = math.inf,
     >>> sdpipe(10, 0.05).window
     0.05
   """
-  return SDPipe(history, window, enforce, min_size, history_unit)
+  return SDPipe(history, window, enforce, min_size, history_unit, grouping)
 
 
 policy.TIME_SIDES["sdpipe"] = lambda p: SDPipe(
-    p.history, p.window, p.enforce, p.min_size, p.history_unit)
+    p.history, p.window, p.enforce, p.min_size, p.history_unit, p.grouping)

@@ -26,8 +26,11 @@ and only the deadlock rule runs stage by stage.
 AD-PSGD (Lian et al. 2018): each iteration a random matching into pairs.
 """
 
+import bisect
+import collections
 import collections.abc
 import functools
+import math
 from typing import NamedTuple
 
 import numpy as np
@@ -425,11 +428,16 @@ def merge(groups: Groups, starts: np.ndarray, waits: list[int]
 
 
 HISTORY_UNITS = ("iteration", "group")
+GROUPINGS = ("iteration", "arrival")
 
 
 def check(history: int, window: float, min_size: int,
-          history_unit: str) -> None:
-  """Raises a one-line ValueError for an invalid P, T, `min_size` or unit."""
+          history_unit: str, grouping: str = "iteration") -> None:
+  """Raises a one-line ValueError for an invalid P, T, `min_size`, unit or
+  grouping."""
+  if grouping not in GROUPINGS:
+    raise ValueError(f"grouping={grouping!r} is invalid; valid: "
+                     f"{', '.join(GROUPINGS)}")
   if history_unit not in HISTORY_UNITS:
     raise ValueError(f"history_unit={history_unit!r} is invalid; valid: "
                      f"{', '.join(HISTORY_UNITS)}")
@@ -563,6 +571,198 @@ class Scheduler:
     groups, starts = merge(groups, starts, waits_)
     self.waiting[stage] = (begin, starts.max())
     return groups, starts
+
+
+class Arrival(NamedTuple):
+  """A group the arrival scheduler sent, its members in arrival order."""
+
+  members: np.ndarray  # [k] int, workers
+  iterations: np.ndarray  # [k] int, the iteration after which each signalled
+  ready: np.ndarray  # [k] float, when each signalled
+  close: float  # when the group is sent: its averaging starts
+
+  @property
+  def iteration(self) -> int:
+    """The group's iteration: the newest its members signalled after."""
+    return int(self.iterations.max())
+
+
+class ArrivalScheduler:
+  """SDPipe's scheduler over ready signals as they arrive, across iterations.
+
+  Seed 002 Algorithm 1: a worker signals after each iteration's update and
+  waits for its group before its next iteration. Algorithm 2: per stage, a
+  group opens at the earliest waiting signal and takes every signal until T
+  after it, whatever iteration each worker is at, so that a fast worker's
+  signal after iteration k + 1 can meet a slow worker's after k; it closes
+  early once it holds every worker still expected to signal (those with
+  iterations left). With `min_size` > 1, §4's adaptive timeout: a group that
+  closes with fewer workers waits until that many joined.
+
+  Validation (§3.3-3.4), group by group in time order: the sync graph of the
+  stage's recent groups plus the candidate must connect the workers, or the
+  candidate waits for the next group (the window of T opened by the next
+  signal) and merges with it, until it does. What "recent" is, `P` counted
+  as `history_unit` says:
+
+  - "group": the last P - 1 groups of the stage (§3.2's clock k counts
+    group-sync operations);
+  - "iteration": the stage's groups formed before whose iteration (the
+    newest any member signalled after) lies within P - 1 of the
+    candidate's. A group of mixed iterations belongs to its newest.
+
+  A group holding every worker still expected has no later signal to wait
+  for and is sent as it is. Deadlock prevention (§3.4): a wait (for the next
+  group, or §4's for `min_size`) may not begin while another stage's is
+  waiting; the group is then sent as it is and `(stage, iteration)` is
+  recorded in `skipped`.
+
+  The scheduler is driven by its caller's clock: `signal` hands it a worker's
+  ready signal as soon as the caller knows it, `next` names the earliest
+  decision its signals fix, and `decide` takes it. A decision at time t is
+  final once every signal at or before t is in; it is in when the caller
+  knows no signal can come earlier than `next`'s time (the simulator: every
+  worker has run until it waits for a group, and a worker resumed by a
+  decision signals after it).
+
+  Examples:
+    >>> sched = ArrivalScheduler(1, num_workers=2, num_iterations=2,
+    ...                          history=1, window=0.1)
+    >>> sched.signal(0, worker=0, iteration=0, time=0.0)
+    >>> sched.signal(0, worker=1, iteration=0, time=0.5)
+    >>> sched.next()  # the first window closes at T, with worker 0 alone
+    (0.1, 0)
+    >>> sched.decide(0) is None  # P = 1: alone it disconnects; it waits
+    True
+    >>> g = sched.decide(*sched.next()[1:])  # merged with worker 1's window
+    >>> g.members.tolist(), g.close
+    ([0, 1], 0.5)
+  """
+
+  def __init__(self, num_stages: int, num_workers: int, num_iterations: int,
+               history: int, window: float, enforce: bool = True,
+               min_size: int = 1, history_unit: str = "iteration"):
+    check(history, window, min_size, history_unit, "arrival")
+    S = num_stages
+    self.n, self.num_iterations = num_workers, num_iterations
+    self.history, self.window, self.enforce = history, window, enforce
+    self.min_size, self.history_unit = min_size, history_unit
+    self.queue = [[] for _ in range(S)]  # sorted (time, worker, iteration)
+    #   of the signals not held
+    self.held = [[] for _ in range(S)]  # the candidate waiting, as `queue`'s
+    self.since = [None] * S  # when its wait began; None: no wait
+    self.growing = [False] * S  # whether it waits for `min_size`
+    self.expected = [num_workers] * S  # workers with signals left
+    self.next_iteration = np.zeros((S, num_workers), np.int64)
+    self.due = [math.inf] * S  # each stage's next decision
+    self.recent = [collections.deque(maxlen=max(history - 1, 0))
+                   if history_unit == "group" else {} for _ in range(S)]
+    #   the groups validation looks back on: members lists (by label for
+    #   "iteration")
+    self.groups = [[] for _ in range(S)]  # per stage, `Arrival`s in order
+    self.skipped = []  # (stage, iteration) whose wait was refused (§3.4)
+
+  def signal(self, stage: int, worker: int, iteration: int,
+             time: float) -> None:
+    """Worker `worker` of `stage` is ready after iteration `iteration`."""
+    bisect.insort(self.queue[stage], (time, worker, iteration))
+    self.due[stage] = self._due(stage)
+
+  def next(self) -> tuple[float, int] | None:
+    """`(time, stage)` of the earliest decision (the lowest stage first), or
+    None while no stage's signals fix one."""
+    time = min(self.due)
+    return None if time == math.inf else (time, self.due.index(time))
+
+  def decide(self, stage: int) -> Arrival | None:
+    """The stage's decision at its due time: the group sent, or None when
+    the candidate waits."""
+    now, queue, held = self.due[stage], self.queue[stage], self.held[stage]
+    cut = bisect.bisect_right(queue, (now, math.inf))
+    candidate = held + queue[:cut]
+    del queue[:cut]
+    members = [w for _, w, _ in candidate]
+    label = max(k for _, _, k in candidate)
+    everyone = len(candidate) == self.expected[stage]
+    too_few = not everyone and len(candidate) < self.min_size
+    if too_few or (not everyone and self.enforce
+                   and not self._connected(stage, members, label)):
+      if self.since[stage] is not None or not any(
+          t is not None for s, t in enumerate(self.since) if s != stage):
+        self.held[stage] = candidate
+        if self.since[stage] is None:
+          self.since[stage] = now
+        self.growing[stage] = too_few
+        self.due[stage] = self._due(stage)
+        return None
+      self.skipped.append((stage, label))
+    group = Arrival(np.array(members),
+                    np.array([k for _, _, k in candidate]),
+                    np.array([t for t, _, _ in candidate]), now)
+    self.held[stage], self.since[stage] = [], None
+    self.growing[stage] = False
+    self.next_iteration[stage, group.members] = group.iterations + 1
+    self.expected[stage] -= int(
+        (group.iterations == self.num_iterations - 1).sum())
+    self._remember(stage, members, label)
+    self.groups[stage].append(group)
+    self.due[stage] = self._due(stage)
+    return group
+
+  def _due(self, stage: int) -> float:
+    """When the stage decides next, from the signals it has."""
+    queue, held = self.queue[stage], self.held[stage]
+    if not queue:
+      return math.inf
+    if self.growing[stage]:  # until the min_size-th joins
+      need = self.min_size - len(held)
+      close = queue[need - 1][0] if len(queue) >= need else math.inf
+    else:  # the window opened by the first signal not held
+      close = queue[0][0] + self.window
+    if len(held) + len(queue) == self.expected[stage]:
+      return min(close, queue[-1][0])  # every worker expected is in
+    return close
+
+  def _connected(self, stage: int, members: list, label: int) -> bool:
+    """Whether the recent groups plus `members` connect the workers."""
+    if self.history_unit == "group":
+      recent = list(self.recent[stage])
+    else:
+      by_label = self.recent[stage]
+      recent = [g for k in range(label - self.history + 1, label + 1)
+                for g in by_label.get(k, ())]
+    parent = list(range(self.n))
+    components = self.n
+    for group in recent + [members]:
+      root = _root(parent, group[0])
+      for w in group[1:]:
+        other = _root(parent, w)
+        if other != root:
+          parent[other] = root
+          components -= 1
+    return components == 1
+
+  def _remember(self, stage: int, members: list, label: int) -> None:
+    """Adds a group sent to what validation looks back on."""
+    if self.history_unit == "group":
+      if self.history > 1:
+        self.recent[stage].append(members)
+      return
+    by_label = self.recent[stage]
+    by_label.setdefault(label, []).append(members)
+    # A later candidate's label is at least the oldest iteration a worker
+    # still expected will signal after.
+    left = self.next_iteration[stage]
+    left = left[left < self.num_iterations]
+    oldest = int(left.min()) - self.history + 1 if len(left) else label + 1
+    for k in [k for k in by_label if k < oldest]:
+      del by_label[k]
+
+
+def _root(parent: list, x: int) -> int:
+  while parent[x] != x:
+    parent[x] = x = parent[parent[x]]
+  return x
 
 
 def random_pairs(num_pipelines: int, rng: np.random.Generator,

@@ -9,8 +9,21 @@ iterations stays connected, making a group wait for the next one until it is
 (§3.4, union-find as in §4), and it skips a validation that would wait while
 another stage's enforcement is still waiting (deadlock prevention, §3.4,
 Figure 3). The grouping and validation are the simulator's
-(`stalepipe.sync.grouping`, which the simulator runs too); here they are replayed from ready times, so the
-lock-step executor averages exactly the groups the simulated cluster formed.
+(`stalepipe.sync.grouping`, which the simulator runs too); here they are
+replayed from ready times, so the lock-step executor averages exactly the
+groups the simulated cluster formed.
+
+Groups form per iteration here: the replicas that finished minibatch p
+average among themselves (eq. 1's `W_k` per iteration). Algorithm 2 as
+written groups whoever signals within T, whatever iteration each is at
+(`grouping="arrival"`). The lockstep executor cannot run that: with
+replica a after iteration k and replica b after k + 1 in one group, a's
+iteration k + 1 starts from the group's average, which holds b's weights
+after b's own iteration k + 1, and the executor runs both iterations k + 1
+in the same step. The policy
+takes the option, so that one object names SDPipe for the executor and the
+simulator (`stalepipe.sim.simulate` times it), and refuses to give numbers
+for it (`mixing`).
 """
 
 import math
@@ -18,7 +31,7 @@ import math
 import numpy as np
 
 from stalepipe.sync import base
-from stalepipe.sync import grouping
+from stalepipe.sync import grouping as grouping_lib
 
 
 class SDPipe(base.SyncPolicy):
@@ -37,6 +50,9 @@ class SDPipe(base.SyncPolicy):
     history_unit: what P counts: "iteration" (every group of one
       iteration validated at once) or "group" (group-sync operations, §3.2's
       clock k; `grouping.Scheduler`).
+    grouping: "iteration" (the executor and the simulator) or "arrival"
+      (Algorithm 2 across iterations, §3.1-3.2: the simulator only;
+      `mixing` refuses it).
 
   References:
     Miao et al, SDPipe: A Semi-Decentralized Framework for Heterogeneity-aware
@@ -49,10 +65,12 @@ class SDPipe(base.SyncPolicy):
   def __init__(self, num_replicas: int, history: int = 10,
                window: float = math.inf, ready_times=None,
                enforce: bool = True, min_size: int = 1,
-               history_unit: str = "iteration"):
+               history_unit: str = "iteration", grouping: str = "iteration"):
     super().__init__(num_replicas)
+    grouping_lib.check(history, window, min_size, history_unit, grouping)
     self.history, self.window, self.enforce = history, window, enforce
     self.min_size, self.history_unit = min_size, history_unit
+    self.grouping = grouping
     self.ready_times = (None if ready_times is None
                         else np.asarray(ready_times, float))
     if self.ready_times is not None and (
@@ -63,7 +81,7 @@ class SDPipe(base.SyncPolicy):
     self._reset()
 
   def _reset(self):
-    self._scheduler = grouping.Scheduler(self._num_stages, self.history,
+    self._scheduler = grouping_lib.Scheduler(self._num_stages, self.history,
                                          self.window, self.enforce,
                                          self.min_size, self.history_unit)
     self._iterations = 0
@@ -86,8 +104,17 @@ class SDPipe(base.SyncPolicy):
       self._scheduler.decide_many(order, k, ready[order])
       self._iterations += 1
 
+  def check_lockstep(self) -> None:
+    """Raises a one-line ValueError unless the executor can run the groups."""
+    if self.grouping != "iteration":
+      raise ValueError(
+          f"grouping={self.grouping!r} forms groups across iterations, which "
+          "the lockstep executor cannot run; valid: grouping='iteration' (the "
+          "executor and the simulator) or 'arrival' (the simulator only)")
+
   def mixing(self, stage: int, minibatch: int) -> np.ndarray:
     """Eq. 2's `W` of the groups the scheduler formed for this iteration."""
+    self.check_lockstep()
     if stage >= self._num_stages:
       if self.ready_times is not None:
         raise ValueError(f"stage {stage} is not in ready_times of "
@@ -102,7 +129,8 @@ class SDPipe(base.SyncPolicy):
 
 def sdpipe(num_replicas: int, history: int = 10, window: float = math.inf,
            ready_times=None, enforce: bool = True, min_size: int = 1,
-           history_unit: str = "iteration") -> SDPipe:
+           history_unit: str = "iteration",
+           grouping: str = "iteration") -> SDPipe:
   """SDPipe (see `SDPipe`).
 
   Examples:
@@ -110,4 +138,4 @@ def sdpipe(num_replicas: int, history: int = 10, window: float = math.inf,
     array([0.33333334, 0.33333334, 0.33333334], dtype=float32)
   """
   return SDPipe(num_replicas, history, window, ready_times, enforce,
-                min_size, history_unit)
+                min_size, history_unit, grouping)

@@ -205,6 +205,8 @@ def simulated(num_replicas: int, policy: str,
     kwargs["window"] = sim.simulate(run, grid, costs).makespan / num_steps / N
   try:
     numeric = sync.make(policy, num_replicas=N, **kwargs)
+    if policy == "sdpipe":  # the run replays it on the executor
+      numeric.check_lockstep()
   except ValueError as e:
     raise ValueError(f"policy_kwargs of {policy!r}: {e}") from None
   timed = (sim.ad_psgd() if policy == "ad_psgd" and "seed" not in kwargs
