@@ -37,8 +37,9 @@ def _row(arg: str, **overrides):
   return config
 
 
-def _by_hand(policy: str, clock_distance: int = 0):
-  """The policy replaying a simulated run, every part spelled out."""
+def _by_hand(policy: str, clock_distance: int = 0, **options):
+  """The policy replaying a simulated run, every part spelled out (SDPipe
+  with `options`)."""
   per_micro = 6 * 4.1e9 * 256 / 15e12 / S / M
   costs = sp.sim.StageCosts.uniform(
       S, per_micro / 3, 2 * per_micro / 3,
@@ -54,7 +55,7 @@ def _by_hand(policy: str, clock_distance: int = 0):
   iteration = sp.sim.simulate(run, cluster, costs).makespan / STEPS
   timed = {"bsp": sp.sim.bsp(), "ad_psgd": sp.sim.ad_psgd(),
            "wsp": sp.sim.wsp(clock_distance, 4),
-           "sdpipe": sp.sim.sdpipe(10, iteration / N)}[policy]
+           "sdpipe": sp.sim.sdpipe(10, iteration / N, **options)}[policy]
   result = sp.sim.simulate(run, cluster, costs, timed,
                            perturbations=(sp.sim.hete("B"),), seed=0)
   numeric = {
@@ -64,7 +65,7 @@ def _by_hand(policy: str, clock_distance: int = 0):
           delays=simulated.wsp_delays(result, clock_distance)),
       "sdpipe": lambda: sp.sync.sdpipe(
           N, 10, iteration / N,
-          ready_times=result.applied_local.transpose(1, 0, 2)),
+          ready_times=result.applied_local.transpose(1, 0, 2), **options),
       "ad_psgd": lambda: simulated.Replayed(
           N, simulated.ad_psgd_groups(result)),
   }[policy]()
@@ -92,6 +93,23 @@ def test_a_config_builds_the_policy_built_by_hand(row, policy, distance):
       for p in range(STEPS):
         np.testing.assert_array_equal(built.mixing(s, p), sp.sync.group_mixing(
             result.extras["sdpipe_groups"][s][p], N))
+
+
+@pytest.mark.parametrize("options", [{"min_size": 3},
+                                     {"history_unit": "group"}])
+def test_sdpipe_replays_the_groups_simulated_with_its_options(options):
+  """`min_size` and `history_unit` reach the replaying scheduler: it
+  averages exactly the groups the simulation formed with them."""
+  config = _row("policy=sdpipe,stragglers=hete-B")
+  config.sync_kwargs.policy_kwargs.update(options)
+  built = build.parts(config).pipeline.sync
+  expected, _, result = _by_hand("sdpipe", **options)
+  for key, value in expected.plan(0, STEPS, S).items():
+    np.testing.assert_array_equal(built.plan(0, STEPS, S)[key], value, key)
+  for s in range(S):
+    for p in range(STEPS):
+      np.testing.assert_array_equal(built.mixing(s, p), sp.sync.group_mixing(
+          result.extras["sdpipe_groups"][s][p], N))
 
 
 def test_a_config_row_runs_through_launch_and_logs_simulated_seconds(

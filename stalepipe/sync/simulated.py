@@ -149,7 +149,8 @@ def _replaying(numeric: base.SyncPolicy, result) -> base.SyncPolicy:
   if numeric.name == "sdpipe":
     return sync.sdpipe(N, numeric.history, numeric.window,
                        ready_times=result.applied_local.transpose(1, 0, 2),
-                       enforce=numeric.enforce)
+                       enforce=numeric.enforce, min_size=numeric.min_size,
+                       history_unit=numeric.history_unit)
   if numeric.name == "ad_psgd":
     return Replayed(N, ad_psgd_groups(result))
   return numeric  # BSP: nothing to replay
