@@ -250,3 +250,23 @@ def test_sdpipe_without_a_trace_averages_every_stage_of_every_iteration():
   plan = sp.sync.sdpipe(D).plan(0, 3, 4)  # stages asked in any order
   assert plan["mix_on"].tolist() == [[1] * 4] * 3
   np.testing.assert_allclose(plan["mix"], np.full((3, 4, D, D), 1 / D))
+
+
+def test_sdpipe_grouping_by_arrival_is_refused_by_the_executor():
+  """Groups across iterations cannot run in lock step: the executor refuses
+  the policy in one line when it asks it for its plan, before any work (the
+  oracle asks the same `mixing`)."""
+  schedule = sp.schedules.make("1f1b", num_stages=S, num_microbatches=2,
+                               num_minibatches=2)
+  staged = _staged()
+  pipe = executor.Pipeline(
+      staged.stage_fns, cross_entropy, schedule, optax.sgd(0.5),
+      jax.make_mesh((D, S), ("data", "stage")),
+      sync=sp.sync.sdpipe(D, history=3, window=0.1, grouping="arrival"))
+  x, y = next(_windows(1, 2, 2))
+  with pytest.raises(ValueError) as e:
+    pipe.step(pipe.init(staged.stage_params), x, y)
+  assert str(e.value) == (
+      "grouping='arrival' forms groups across iterations, which the "
+      "lockstep executor cannot run; valid: grouping='iteration' (the "
+      "executor and the simulator) or 'arrival' (the simulator only)")

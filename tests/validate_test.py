@@ -91,6 +91,10 @@ BAD = [
         {"clock_distance": -1})},
      "sync_kwargs.clock_distance=-1 is invalid; valid: an integer >= 0"),
     ({"sync": "local_sgd"}, "sync_kwargs.period is missing"),
+    ({"sync": "sdpipe", "sync_kwargs": ml_collections.ConfigDict(
+        {"grouping": "arrival"})},
+     "sync_kwargs.grouping='arrival' is invalid; valid: 'iteration' (a run "
+     "trains on the lockstep executor; 'arrival' is the simulator's only)"),
     ({"sync": "gossip"}, "sync='gossip' is invalid; valid: bsp, "),
     ({"transforms": (("stale_gradients", {"delay": -1}),)},
      "transforms[0] stale_gradients.delay=-1 is invalid; valid: an integer "

@@ -69,7 +69,11 @@ SYNC_KWARGS = {"clock_distance": _NATURAL_INT,
                "history": _POSITIVE_INT, "window": _POSITIVE,
                "enforce": _BOOL, "seed": _NATURAL_INT,
                "period": _POSITIVE_INT,
-               "server": (lambda v: v in ("sum", "mean"), "'sum' or 'mean'")}
+               "server": (lambda v: v in ("sum", "mean"), "'sum' or 'mean'"),
+               # SDPipe's groups across iterations: the simulator's only.
+               "grouping": (lambda v: v == "iteration",
+                            "'iteration' (a run trains on the lockstep "
+                            "executor; 'arrival' is the simulator's only)")}
 TRANSFORM_KWARGS = {
     "delay": _NATURAL_INT, "lam": _NON_NEGATIVE,
     "form": (lambda v: v in ("diagonal", "full"), "'diagonal' or 'full'"),
