@@ -21,7 +21,11 @@ such a validation is skipped for the iteration and counted.
 
 The stages of one iteration are decided together (`Scheduler.decide_many`):
 their window groups and sync graphs are a few NumPy calls over all of them,
-and only the deadlock rule runs stage by stage.
+and only the deadlock rule runs stage by stage. `Scheduler` groups the
+replicas that finished the same iteration; `ArrivalScheduler` groups whoever
+signals within T, whatever iteration each is at (Algorithm 2 as written; the
+simulator only, since the lockstep executor cannot average one replica's
+iteration with another's next).
 
 AD-PSGD (Lian et al. 2018): each iteration a random matching into pairs.
 """
