@@ -104,10 +104,12 @@ def test_metrics_and_state_equal_the_oracle(name, remat):
       for k in ("loss", "accuracy", "h_mean"):
         np.testing.assert_allclose(m[k], rm[k], rtol=1e-5, atol=1e-6)
   for d in range(2):
-    # BatchNorm divides by a micro-batch's deviation: float order shows more.
+    # BatchNorm divides by a micro-batch's deviation: float order shows more,
+    # in the weights and so in the statistics the forwards of those weights
+    # keep (the executor and the oracle add in different orders).
     _close(pipe.params(state, d), ref.params(rstate, d), rtol=1e-4, atol=1e-5)
     _close(pipe.stage_states(state, d), ref.stage_states(rstate, d),
-           rtol=1e-5, atol=1e-6)
+           rtol=1e-4, atol=1e-5)
   assert pipe.stage_states(state)[2] is None
 
 
