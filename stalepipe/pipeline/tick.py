@@ -461,13 +461,14 @@ def keep_residuals(carry: TickCarry, output: TaskOutput) -> TickCarry:
 
 
 def hop(placement: placement_lib.Placement, x, hop_: placement_lib.Hop,
-        device, into=None, recv=None):
+        device, into=None):
   """`into` (slot `hop_.dest`'s rows so far; None: none yet) with what this
   device receives through `hop_`: the sender's row within the device, or a
-  `ppermute` along 'stage', skipped when `recv` (the stages' rows, where
-  given) says no receiver of it files anything (every device sees every
-  stage's row, so all agree; a `ppermute` is the dearest part of a tick on
-  emulated CPU devices)."""
+  `ppermute` along 'stage'. The `ppermute` runs every tick, never under a
+  `cond`: under one, an executable that JAX's persistent compilation cache
+  loaded paired the rows wrongly on XLA:CPU (jax 0.10; a freshly compiled
+  one did not), so a resumed run trained on other numbers than a straight
+  one (`tests/compilation_cache_test.py`)."""
   P, hop = placement.num_devices, hop_
 
   def select(devices, a, b):  # a on `devices`, b elsewhere
@@ -482,10 +483,7 @@ def hop(placement: placement_lib.Placement, x, hop_: placement_lib.Hop,
     into = select(hop.local(), x, into)
   remote = hop.remote()
   if remote:
-    move = lambda: jax.lax.ppermute(x, STAGE, [(d, e) for d, e, _ in remote])  # pylint: disable=unnecessary-lambda-assignment
-    moved = move() if recv is None else jax.lax.cond(
-        jnp.any(recv[np.asarray([t for _, _, t in remote])] >= 0), move,
-        lambda: jax.tree.map(jnp.zeros_like, x))
+    moved = jax.lax.ppermute(x, STAGE, [(d, e) for d, e, _ in remote])
     into = select([e for _, e, _ in remote], moved, into)
   return into
 
@@ -533,12 +531,11 @@ def receive(ctx: Stages, carries: list, previous, windows: list,
   stage's row of last tick. On a folded device a slot with nothing to file
   skips it under a two-way `cond`."""
   rows = {}
-  for field, recv, step in (("forward", previous.recv_forward, 1),
-                            ("backward", previous.recv_backward, -1)):
+  for field, step in (("forward", 1), ("backward", -1)):
     for h in ctx.placement.hops(step):
       rows[field, h.dest] = hop(ctx.placement,
                                 getattr(carries[h.source].outbox, field), h,
-                                device, rows.get((field, h.dest)), recv)
+                                device, rows.get((field, h.dest)))
   filed = []
   for j, (c, w) in enumerate(zip(carries, windows)):
     last = jax.tree.map(lambda column, w=w: column[w.stage], previous)
