@@ -57,9 +57,13 @@ def _close(got, want, atol):
     np.testing.assert_allclose(np.asarray(a, np.float32), b, atol=atol)
 
 
-# The hidden state crosses in bfloat16: a float sum taken in another order can
-# round it one bf16 step apart, hence 1e-4 rather than float32's 1e-6.
-ATOL = 1e-4
+# The hidden state and its cotangent cross in bfloat16: a float sum XLA takes
+# in another order (the executor's one program against the oracle's task by
+# task, and which order depends on the CPU it compiles for) rounds a value one
+# bf16 step (2^-8 relative) apart, and SGD at lr 0.5 carries it into the
+# weights: up to 7.4e-4 in the first stage's embedding after two updates
+# through two boundaries, where float32 would agree to 1e-6.
+ATOL = 1e-3
 
 
 @pytest.mark.slow
