@@ -149,3 +149,74 @@ def test_decoupled_decay_needs_a_learning_rate():
   with pytest.raises(ValueError, match="decoupled"):
     optimizers.make((), "adafactor", {}, weight_decay=0.1,
                     weight_decay_mode="decoupled")
+
+
+# A gradient far above the clip, on a tree shaped like a transformer block's
+# leaves (a hidden kernel, the head, a bias), so a clip after a scale-by rule
+# (which normalises) would differ from one on the raw gradient.
+def _block_tree(scale):
+  rng = np.random.default_rng(0)
+  return {"qkv": {"kernel": jnp.asarray(scale * rng.normal(size=(4, 6)),
+                                        jnp.float32)},
+          "linear": {"kernel": jnp.asarray(scale * rng.normal(size=(4, 5)),
+                                           jnp.float32)},
+          "bias": jnp.asarray(scale * rng.normal(size=(6,)), jnp.float32)}
+
+
+def _tree_run(opt, x, steps=5):
+  state, out = opt.init(x), []
+  for t in range(steps):
+    g = jax.tree.map(lambda p, t=t: 40.0 * jnp.sin(p + t) + p, x)
+    updates, state = opt.update(g, state, x)
+    x = optax.apply_updates(x, updates)
+    out.append(x)
+  return out
+
+
+@pytest.mark.parametrize("rule", ["nesterov", "basis_rotation", "adamw"])
+def test_a_config_chain_equals_its_sources_hand_built_chain(rule):
+  """clip_grad_norm_ on the raw gradient, then the optimizer's step: as
+  AsyncPP (`optim/optimizer.py` lines 195-199), basis-rotation
+  (`optim/optimizer.py` lines 296-300) and any torch loop run them."""
+  lr, wd, c = 3e-3, 0.01, 1.0
+  clip = optax.clip_by_global_norm(c)
+  if rule == "nesterov":
+    config = ((("scale_by_async_nesterov", {"b1": 0.99}),), "sgd")
+    source = optax.chain(clip, sp.optim.scale_by_async_nesterov(b1=0.99),
+                         optax.sgd(lr), optimizers.decoupled_weight_decay(
+                             wd, lr))
+  elif rule == "basis_rotation":
+    config = ((("scale_by_basis_rotation", {"mask": "attention_mlp"}),),
+              "sgd")
+    source = optax.chain(clip, sp.optim.basis_rotation_adam(
+        lr, weight_decay=wd, mask=sp.optim.attention_mlp))
+  else:
+    config = ((), "adam")
+    source = optax.chain(clip, optax.adamw(lr, weight_decay=wd))
+  built = optimizers.make(*config, {"learning_rate": lr}, weight_decay=wd,
+                          weight_decay_mode="decoupled", grad_clip_norm=c)
+  x = _block_tree(1.0)
+  for got, want in zip(_tree_run(built, x), _tree_run(source, x)):
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(
+        a, b, rtol=1e-5, atol=1e-7), got, want)
+
+
+def test_l2_decay_joins_the_gradient_before_a_scale_by_rule():
+  """SGD-style L2 decay is part of the gradient a direction rule scales."""
+  lr, wd, c = 1e-2, 0.1, 1.0
+  built = optimizers.make((("scale_by_async_nesterov", {}),), "sgd",
+                          {"learning_rate": lr}, weight_decay=wd,
+                          grad_clip_norm=c)
+  source = optax.chain(optax.clip_by_global_norm(c),
+                       optax.add_decayed_weights(wd),
+                       sp.optim.scale_by_async_nesterov(), optax.sgd(lr))
+  x = _block_tree(1.0)
+  for got, want in zip(_tree_run(built, x), _tree_run(source, x)):
+    jax.tree.map(np.testing.assert_array_equal, got, want)
+  # Gradient-level transforms keep L2 after them (on the current weights).
+  built = optimizers.make((("stale_gradients", {"delay": 1}),), "sgd",
+                          {"learning_rate": lr}, weight_decay=wd)
+  source = optax.chain(sp.optim.stale_gradients(1),
+                       optax.add_decayed_weights(wd), optax.sgd(lr))
+  for got, want in zip(_tree_run(built, x), _tree_run(source, x)):
+    jax.tree.map(np.testing.assert_array_equal, got, want)

@@ -17,6 +17,8 @@ from stalepipe.optim._basis_rotation import ScaleByBasisRotationState
 from stalepipe.optim._delay_compensation import compensate
 from stalepipe.optim._delay_compensation import delay_compensation
 from stalepipe.optim._delay_compensation import DelayCompensationState
+from stalepipe.optim._masks import attention_mlp
+from stalepipe.optim._masks import MASKS
 from stalepipe.optim._nesterov import delay_aware_momentum
 from stalepipe.optim._nesterov import scale_by_async_nesterov
 from stalepipe.optim._nesterov import ScaleByAsyncNesterovState
@@ -39,11 +41,13 @@ from stalepipe.optim._weight_prediction import WeightPrediction
 from stalepipe.optim._weight_prediction import WeightPredictionState
 
 __all__ = (
+    "attention_mlp",
     "basis_rotation_adam",
     "compensate",
     "delay_compensation",
     "delay_aware_momentum",
     "DelayCompensationState",
+    "MASKS",
     "minimal_stale_prefix",
     "PipeMare",
     "PipeMareState",
@@ -81,6 +85,12 @@ TRANSFORMS = registry.Registry("transform", {
     "basis_rotation_adam": basis_rotation_adam,
     "wave_accumulation": wave_accumulation,
 })
+# The transforms that turn a gradient into an update direction (an
+# optimizer's scaling); the others correct the gradient itself. A config's
+# L2 decay joins the gradient before the first of these.
+DIRECTIONS = frozenset({
+    "scale_by_variance_reduced_adam", "scale_by_async_nesterov",
+    "scale_by_basis_rotation", "basis_rotation_adam"})
 WRAPPERS = registry.Registry("optimizer wrapper", {
     "WeightPrediction": WeightPrediction,
     "SpecTrain": SpecTrain,

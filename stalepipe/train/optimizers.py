@@ -19,10 +19,15 @@ gives, in this order,
 
 .. code-block:: python
 
-  optax.chain(stale_gradients(1), delay_compensation(0.2),
-              optax.clip_by_global_norm(1.0),      # the gradient the optimizer gets
+  optax.chain(optax.clip_by_global_norm(1.0),      # the raw gradient
+              stale_gradients(1), delay_compensation(0.2),
               optax.add_decayed_weights(1e-4),     # "l2": SGD's weight_decay
               optax.sgd(schedule, momentum=0.9))   # "decoupled" adds -lr_t wd x after it
+
+"l2" decay goes before the first transform that turns a gradient into a
+direction (`optim.DIRECTIONS`: `scale_by_async_nesterov`,
+`scale_by_basis_rotation`, ...), as it joins the gradient inside the
+optimizer in the rules' sources.
 
 Each name is looked up in one registry (`stalepipe.registry.Registry`):
 transforms in `stalepipe.optim.TRANSFORMS`, wrappers in
@@ -182,10 +187,11 @@ def make(
       replaces `optimizer_kwargs["learning_rate"]`; `()` keeps it.
     weight_decay: :math:`\\lambda`; 0 adds nothing.
     weight_decay_mode: `"l2"` adds :math:`\\lambda x` to the gradient the
-      optimizer gets (SGD's `weight_decay`, DC-ASGD's and SAPipe's runs);
+      first scale-by rule (`optim.DIRECTIONS`) or else the optimizer gets
+      (SGD's `weight_decay`, DC-ASGD's and SAPipe's runs);
       `"decoupled"` adds :math:`-\\eta_t \\lambda x` to its update (AdamW).
-    grad_clip_norm: clip the gradient the optimizer gets (after the
-      stalepipe transforms) to this global norm; 0 does not clip.
+    grad_clip_norm: clip the raw gradient, before every transform, to this
+      global norm; 0 does not clip.
     wrapper: `(name, kwargs)` of a wrapper from `optim.WRAPPERS`, given the whole
       chain as its `optimizer`; `()` for none.
 
@@ -214,15 +220,20 @@ def make(
   optimizer_kwargs = dict(optimizer_kwargs)
   if lr_schedule:
     optimizer_kwargs["learning_rate"] = make_schedule(lr_schedule)
-  chain = []
+  # The clip sees the raw gradient, as every rule's source clips it
+  # (`torch.nn.utils.clip_grad_norm_` before `optimizer.step()`); L2 decay
+  # joins the gradient where it becomes a direction: before the first
+  # scale-by rule, else before the optimizer.
+  chain = [optax.clip_by_global_norm(grad_clip_norm)] if grad_clip_norm else []
+  l2 = [optax.add_decayed_weights(weight_decay)] if (
+      weight_decay and weight_decay_mode == "l2") else []
   for entry in transforms:
     name, kwargs = _entry(entry, "transform")
+    if name in optim.DIRECTIONS:
+      chain, l2 = chain + l2, []
     chain.append(optim.TRANSFORMS.make(
         name, **_with_workers(optim.TRANSFORMS, name, kwargs, num_replicas)))
-  if grad_clip_norm:
-    chain.append(optax.clip_by_global_norm(grad_clip_norm))
-  if weight_decay and weight_decay_mode == "l2":
-    chain.append(optax.add_decayed_weights(weight_decay))
+  chain += l2
   chain.append(OPTIMIZERS.make(optimizer, **optimizer_kwargs))
   if weight_decay and weight_decay_mode == "decoupled":
     if "learning_rate" not in optimizer_kwargs:
