@@ -358,3 +358,34 @@ def test_mask_on_a_vector_is_refused():
   opt = sp.optim.scale_by_basis_rotation(mask={"w": True, "b": True})
   with pytest.raises(ValueError, match=r"shape \(3,\); valid: 2-D"):
     opt.init({"w": jnp.zeros((3, 3)), "b": jnp.zeros(3)})
+
+
+def test_named_mask_rotates_what_the_official_code_rotates():
+  """attention and MLP kernels; not the embeddings, head, norms or biases."""
+  from configs.experiments import staleness_depth  # pylint: disable=g-import-not-at-top
+  from stalepipe.train import build  # pylint: disable=g-import-not-at-top
+  config = staleness_depth.get_config("method=basis_rotation,stages=2")
+  config.model_kwargs.num_layers = 2
+  run = build.parts(config)
+  rotated = set()
+  for s, tree in enumerate(run.staged.stage_params):
+    picked = sp.optim.attention_mlp(tree)
+    for path, on in jax.tree_util.tree_leaves_with_path(picked):
+      if on:
+        rotated.add((s, jax.tree_util.keystr(path)))
+  want = {(s, f"[0]['layers'][{i}]['{m}']['kernel']")
+          for s, i in ((0, 1), (1, 0)) for m in ("qkv", "proj", "fc", "out")}
+  assert rotated == want
+  # The config names this mask; its chain keeps no basis for the head.
+  (name, kwargs), = config.transforms
+  assert (name, kwargs["mask"]) == ("scale_by_basis_rotation", "attention_mlp")
+  opt = sp.optim.TRANSFORMS.make(name, **kwargs)
+  state = opt.init(run.staged.stage_params[1])
+  head = state.left_basis[0]["layers"][1]["linear"]["kernel"]
+  assert isinstance(head, optax.MaskedNode)
+
+
+def test_unknown_mask_name_is_one_line():
+  with pytest.raises(ValueError, match="unknown mask 'heads'; valid: "
+                     "all_matrices, attention_mlp"):
+    sp.optim.scale_by_basis_rotation(mask="heads")

@@ -27,7 +27,8 @@ METHODS = {  # fields over PipeDream with AdamW; "sgd": an Adam-like transform
            "optimizer_scope": "stage"},
     "nesterov": {"transforms": (("scale_by_async_nesterov", {}),),
                  "optimizer": "sgd", "grad_clip_norm": 10.0},
-    "basis_rotation": {"transforms": (("scale_by_basis_rotation", {}),),
+    "basis_rotation": {"transforms": (("scale_by_basis_rotation", {
+        "mask": "attention_mlp"}),),
                        "optimizer": "sgd"}}
 
 

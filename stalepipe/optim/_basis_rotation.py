@@ -9,10 +9,12 @@ import optax
 from jax.sharding import PartitionSpec
 
 from stalepipe.optim import _buffers
+from stalepipe.optim import _masks
 
 GEOMETRIES = ("bi", "uni")
 SOURCES = ("2nd", "1st")
-Mask = Union[None, chex.ArrayTree, Callable[[optax.Params], chex.ArrayTree]]
+Mask = Union[None, str, chex.ArrayTree,
+             Callable[[optax.Params], chex.ArrayTree]]
 
 
 class ScaleByBasisRotationState(NamedTuple):
@@ -236,8 +238,9 @@ def scale_by_basis_rotation(
     approx_source: `"2nd"` (gradient covariances) or `"1st"` (momentum).
     shampoo_beta: :math:`\beta` of the covariances, in [0, 1); None uses
       `b2`, as the code's default -1 does.
-    mask: which 2-D leaves to rotate: a pytree of bools like the params, a
-      callable returning one, or None for every 2-D leaf.
+    mask: which 2-D leaves to rotate: a name from `MASKS`
+      (`"attention_mlp"`: the official code's selection), a pytree of bools
+      like the params, a callable returning one, or None for every 2-D leaf.
 
   Returns:
     An `optax.GradientTransformation`.
@@ -276,6 +279,7 @@ def scale_by_basis_rotation(
     if isinstance(beta, (int, float)):  # injected values are arrays
       _check(name, beta, "a number in [0, 1)", 0 <= beta < 1)
   cov_decay = b2 if shampoo_beta is None else shampoo_beta
+  mask = _masks.mask(mask)
 
   def rotated(params):
     """True on the leaves to rotate; refuses a mask on a leaf that is not 2-D."""
@@ -379,7 +383,8 @@ def basis_rotation_adam(
     rotation_geometry: `"bi"` or `"uni"`.
     approx_source: `"2nd"` or `"1st"`.
     shampoo_beta: the covariances' decay; None uses `b2`.
-    mask: the 2-D leaves to rotate (None: all).
+    mask: the 2-D leaves to rotate: a name from `MASKS`, a pytree, a
+      callable, or None (all).
 
   Returns:
     An `optax.GradientTransformation`.
