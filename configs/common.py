@@ -43,3 +43,16 @@ def parse_arg(arg: str | None, **defaults) -> ml_collections.ConfigDict:
     else:
       parsed[key] = kind(value)
   return parsed
+
+
+def check_choice(key: str, value: str, valid) -> None:
+  """One line (ValueError) when `value` is not one of `valid`.
+
+  Examples:
+    >>> check_choice("rule", "wp9", ("wp1", "wp3"))
+    Traceback (most recent call last):
+    ...
+    ValueError: rule='wp9' is invalid; valid: wp1, wp3
+  """
+  if value not in valid:
+    raise ValueError(f"{key}={value!r} is invalid; valid: {', '.join(valid)}")

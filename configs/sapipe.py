@@ -33,7 +33,6 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
                 num_microbatches=1, microbatch_size=16, sync="bsp",
                 optimizer="sgd", weight_decay=5e-5, weight_decay_mode="l2")
   config.optimizer_kwargs = {"learning_rate": 0.1, "momentum": 0.9}
-  if arg.rule not in RULES:
-    raise ValueError(f"rule {arg.rule!r} is invalid; valid: {', '.join(RULES)}")
+  common.check_choice("rule", arg.rule, RULES)
   config.update(RULES[arg.rule])
   return config

@@ -36,6 +36,8 @@ from absl import flags
 import numpy as np
 
 import harness
+from stalepipe.data import ngram
+from stalepipe.data import stdlib_corpus
 
 _RUNS = flags.DEFINE_multi_string(
     "runs", None, "Workdir globs, e.g. 'runs/staleness_depth/*'.",
@@ -55,12 +57,23 @@ _NAME = re.compile(r"^(.+)-S(\d+)-(\d+)$")
 _NAN_STOP = re.compile(r"launch.py: error: loss is -?(nan|inf)")
 
 
+def _num_steps(workdir: str) -> int | None:
+  """The run's `num_steps` from its config.json (None without one)."""
+  try:
+    with open(os.path.join(workdir, "config.json")) as f:
+      return json.load(f).get("num_steps")
+  except FileNotFoundError:
+    return None
+
+
 def read_curve(workdir: str) -> tuple[np.ndarray, np.ndarray]:
-  """`(steps, validation losses)` of a run's metrics.jsonl, by step."""
-  curve = {}
+  """`(steps, validation losses)` of a run's metrics.jsonl, by step: the
+  mid-run evaluations only. The one at `num_steps` is taken on the drained
+  weights (every in-flight minibatch applied), another kind of point."""
+  curve, drained = {}, _num_steps(workdir)
   with open(os.path.join(workdir, "metrics.jsonl")) as f:
     for record in map(json.loads, filter(str.strip, f)):
-      if "test_loss" in record:
+      if "test_loss" in record and record["step"] != drained:
         curve[record["step"]] = record["test_loss"]
   steps = sorted(curve)
   return np.array(steps, float), np.array([curve[s] for s in steps], float)
@@ -224,13 +237,118 @@ def losses_at(runs, steps: list[int]) -> str:
   return "\n".join(lines)
 
 
-def plot(runs, rows, target: float, path: str) -> None:
-  """Validation loss against steps, one panel per method (a line per S and
-  seed), and the slowdown against S (log-log), one line per method."""
+def _rule_and_rate(method: str) -> tuple[str, str]:
+  """`"pipedream@3e-3"` -> `("pipedream", "3e-3")`; no `@`: the config's rate."""
+  rule, _, rate = method.partition("@")
+  return rule, rate or "config"
+
+
+def _last_loss(runs, method: str, stages: int) -> float:
+  done = [r["losses"][-1] for r in runs.get((method, stages), {}).values()
+          if r["status"] == "done" and r["losses"].size]
+  return float(np.mean(done)) if done else math.inf
+
+
+def _rank(runs, rows, method: str, stages: int) -> tuple[float, float]:
+  """A cell's rank among rates: its mean steps to the target (inf if a seed
+  missed it), then its mean last validation loss."""
+  cell = rows.get(method, {}).get(stages)
+  steps = cell["steps"] if cell and cell["steps"] is not None else math.inf
+  return steps, _last_loss(runs, method, stages)
+
+
+def best_rates(runs, rows) -> dict[str, dict]:
+  """{rule: {"rates", "at_s1" (the rate ranked first at S = 1, `_rank`),
+  "per_depth" {S: the rate ranked first at S}}}, over the methods named
+  `<rule>@<rate>` (a method without `@` is its own rule at one rate)."""
+  rules = {}
+  for method in rows:
+    rule, rate = _rule_and_rate(method)
+    rules.setdefault(rule, {})[rate] = method
+  out = {}
+  for rule, methods in sorted(rules.items()):
+    depths = sorted({s for m in methods.values() for s in rows[m]})
+    best = {s: min(methods, key=lambda r, s=s: _rank(runs, rows, methods[r],
+                                                      s))
+            for s in depths}
+    out[rule] = {"rates": sorted(methods), "at_s1": best.get(1),
+                 "per_depth": best}
+  return out
+
+
+def rates_markdown(runs, rows, rates, target: float) -> str:
+  """Two tables: each rule at its best S = 1 rate, and at its best rate at
+  each depth (the rate in the cell; the slowdown over the rule's best S = 1
+  cell)."""
+  stages = sorted({s for row in rows.values() for s in row})
+  head = ("| rule | rates | " + " | ".join(f"S={s}" for s in stages) + " |",
+          "|---|---|" + "---:|" * len(stages))
+  at_s1 = [f"Steps to validation loss {target:.4f} at each rule's best S=1 "
+           "rate (in brackets after the rule)", "", *head]
+  per_depth = [f"Steps to validation loss {target:.4f} at each rule's best "
+               "rate per depth (@rate; slowdown over the rule's best S=1 "
+               "cell)", "", *head]
+  for rule, info in rates.items():
+    grid = ", ".join(info["rates"])
+    if info["at_s1"] is not None:
+      method = f"{rule}@{info['at_s1']}" if info["at_s1"] != "config" else rule
+      at_s1.append(f"| {rule} ({info['at_s1']}) | {grid} | " + " | ".join(
+          _cell(rows[method].get(s)) for s in stages) + " |")
+    base = (_rank(runs, rows, f"{rule}@{info['at_s1']}"
+                  if info["at_s1"] != "config" else rule, 1)[0]
+            if info["at_s1"] is not None else math.inf)
+    cells = []
+    for s in stages:
+      rate = info["per_depth"].get(s)
+      if rate is None:
+        cells.append("-")
+        continue
+      method = f"{rule}@{rate}" if rate != "config" else rule
+      cell = rows[method][s]
+      text = _cell(cell).split(" (")[0]
+      if cell["steps"] is not None and math.isfinite(base):
+        text += f" ({cell['steps'] / base:.2f}x)"
+      cells.append(f"{text} @{rate}")
+    per_depth.append(f"| {rule} | {grid} | " + " | ".join(cells) + " |")
+  return "\n".join(at_s1 + [""] + per_depth)
+
+
+def reference_levels(workdirs: list[str]) -> dict[str, float]:
+  """{"unigram", "bigram", "trigram"}: the cross-entropy (nats/byte) of the
+  training split's n-gram models (`ngram.cross_entropy`, alpha 0.1) on the
+  evaluation windows of the first run whose config.json names the stdlib
+  data; {} if none does. The runs of one table share their data."""
+  for workdir in workdirs:
+    try:
+      with open(os.path.join(workdir, "config.json")) as f:
+        config = json.load(f)
+    except FileNotFoundError:
+      continue
+    if config.get("dataset") != "stdlib":
+      continue
+    kwargs = {k: v for k, v in config["dataset_kwargs"].items()
+              if k in ("seq_len", "stride", "test_fraction",
+                       "max_test_windows", "cache_dir")}
+    data = stdlib_corpus.stdlib(**kwargs)
+    files = stdlib_corpus.stdlib_files(kwargs.get("test_fraction", 0.1))
+    train, _ = stdlib_corpus.corpus_bytes(
+        files, os.path.expanduser(kwargs.get("cache_dir",
+                                             "~/.cache/stalepipe")))
+    return {name: ngram.cross_entropy(train, data.x_test, data.y_test, order)
+            for order, name in ((1, "unigram"), (2, "bigram"),
+                                (3, "trigram"))}
+  return {}
+
+
+def plot(runs, rows, target: float, path: str, levels=None,
+         methods=None) -> None:
+  """Validation loss against steps, one panel per method of `methods` (all
+  when None; a line per S and seed) with the reference `levels`, and the
+  slowdown against S (log-log), one line per method."""
   import matplotlib  # pylint: disable=g-import-not-at-top
   matplotlib.use("Agg")
   from matplotlib import pyplot as plt  # pylint: disable=g-import-not-at-top
-  methods = list(rows)
+  methods = list(methods or rows)
   fig, axes = plt.subplots(1, len(methods) + 1,
                            figsize=(4 * (len(methods) + 1), 3.8),
                            squeeze=False)
@@ -243,10 +361,13 @@ def plot(runs, rows, target: float, path: str) -> None:
                   color=colors(math.log2(stages) / 5),
                   label=f"S={stages}" if seed == min(seeds) else None)
     ax.axhline(target, color="grey", lw=0.8, ls="--")
+    for (name, level), ls in zip((levels or {}).items(), (":", "-.", "--")):
+      ax.axhline(level, color="tab:red", lw=0.8, ls=ls, label=name)
     ax.set(title=method, xlabel="step", ylabel="validation loss")
     ax.legend(fontsize=8)
   ax = axes[0][-1]
-  for method, row in rows.items():
+  for method in methods:
+    row = rows[method]
     points = [(s, c["slowdown"]) for s, c in sorted(row.items())
               if c["slowdown"] is not None]
     if points:
@@ -271,8 +392,18 @@ def main(argv):
   target = (_TARGET_LOSS.value if _TARGET_LOSS.value is not None
             else default_target(runs, _TARGET_FRACTION.value))
   rows = table(runs, target)
-  harness.record("staleness_depth", {"target_loss": target, "rows": rows})
+  rates = best_rates(runs, rows)
+  levels = reference_levels(harness.workdirs(_RUNS.value))
+  harness.record("staleness_depth", {"target_loss": target, "rows": rows,
+                                     "best_rates": rates,
+                                     "reference_levels": levels})
   text = markdown(rows, target)
+  if levels:
+    text = ("Reference levels on the evaluation windows (n-gram models of the "
+            "training split, nats/byte): " + ", ".join(
+                f"{k} {v:.3f}" for k, v in levels.items()) + "\n\n" + text)
+  if any(len(r["rates"]) > 1 for r in rates.values()):
+    text += "\n\n" + rates_markdown(runs, rows, rates, target)
   if _LOSS_AT.value:
     text += "\n\n" + losses_at(runs, [int(s) for s in _LOSS_AT.value])
   print(text)
@@ -282,7 +413,9 @@ def main(argv):
       f.write(text + "\n")
   path = harness.figure_path("staleness_depth.png")
   if path:
-    plot(runs, rows, target, path)
+    best = [rule if r["at_s1"] in (None, "config") else f"{rule}@{r['at_s1']}"
+            for rule, r in rates.items()]
+    plot(runs, rows, target, path, levels, [m for m in best if m in rows])
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ METHODS = ("gpipe", "1f1b", "pipedream", "2bw", "hetpipe_wsp", "timeprest",
            "sapipe", "pipesgd", "sdpipe", "bsp", "zb_h1", "zb_h2", "zb_async",
            "pipedream_dc", "spectrain", "pipemare")
 CONFIG_FILES = sorted(p.name for p in (ROOT / "configs").glob("*.py")
-                      if p.name != "common.py")
+                      if p.name not in ("common.py", "rules.py"))
 
 
 def get_config(filename, arg=None):

@@ -377,9 +377,10 @@ def test_named_mask_rotates_what_the_official_code_rotates():
           for s, i in ((0, 1), (1, 0)) for m in ("qkv", "proj", "fc", "out")}
   assert rotated == want
   # The config names this mask; its chain keeps no basis for the head.
-  (name, kwargs), = config.transforms
-  assert (name, kwargs["mask"]) == ("scale_by_basis_rotation", "attention_mlp")
-  opt = sp.optim.TRANSFORMS.make(name, **kwargs)
+  transforms = dict(config.transforms)
+  assert transforms["scale_by_basis_rotation"]["mask"] == "attention_mlp"
+  opt = sp.optim.TRANSFORMS.make("scale_by_basis_rotation",
+                                 **transforms["scale_by_basis_rotation"])
   state = opt.init(run.staged.stage_params[1])
   head = state.left_basis[0]["layers"][1]["linear"]["kernel"]
   assert isinstance(head, optax.MaskedNode)
@@ -389,3 +390,24 @@ def test_unknown_mask_name_is_one_line():
   with pytest.raises(ValueError, match="unknown mask 'heads'; valid: "
                      "all_matrices, attention_mlp"):
     sp.optim.scale_by_basis_rotation(mask="heads")
+
+
+def test_group_clip_is_torchs_clip_per_param_group():
+  """clip_grad_norm_ on the rotated weights, then on the rest, each alone."""
+  rng = np.random.default_rng(3)
+  g = {"blocks.0.qkv.kernel": rng.normal(size=(4, 6)) * 3,
+       "blocks.0.fc.kernel": rng.normal(size=(4, 8)),
+       "head.linear.kernel": rng.normal(size=(4, 5)) * 0.01,
+       "blocks.0.qkv.bias": rng.normal(size=(6,)) * 5}
+  clip = sp.optim.clip_by_group_norm(1.0, "attention_mlp")
+  got, _ = clip.update(jax.tree.map(jnp.asarray, g), clip.init(g))
+  want = {}
+  for group in (("blocks.0.qkv.kernel", "blocks.0.fc.kernel"),
+                ("head.linear.kernel", "blocks.0.qkv.bias")):
+    norm = np.sqrt(sum(np.sum(g[k] ** 2) for k in group))
+    for k in group:
+      want[k] = g[k] * min(1.0, 1.0 / norm)
+  for k in g:
+    np.testing.assert_allclose(got[k], want[k], rtol=1e-6)
+  with pytest.raises(ValueError, match="max_norm=0 is invalid"):
+    sp.optim.clip_by_group_norm(0)

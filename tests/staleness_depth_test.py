@@ -102,3 +102,31 @@ def test_default_target_is_the_worst_s1_method_at_the_fraction(tmp_path):
   assert _table(tmp_path, "--target_fraction=0.5")["target_loss"] == 4.0
   # At step 12 the last evaluation is step 10's: m's 4.0, n's 5.0.
   assert _table(tmp_path, "--target_fraction=0.3")["target_loss"] == 5.0
+
+
+def test_rates_best_at_s1_and_per_depth_and_the_drained_point_is_left_out(
+    tmp_path):
+  curves = {  # validation loss at steps 10, 20, 30 (30: the drained one)
+      "r@1e-3-S1-0": [3.0, 2.0, 9.0], "r@3e-3-S1-0": [2.0, 1.0, 9.0],
+      "r@1e-3-S8-0": [3.0, 2.0, 0.0], "r@3e-3-S8-0": [3.0, 3.0, 0.0]}
+  for name, losses in curves.items():
+    run = tmp_path / "exp" / name
+    run.mkdir(parents=True)
+    (run / "config.json").write_text(json.dumps({"num_steps": 30}))
+    (run / "summary.json").write_text("{}")
+    (run / "metrics.jsonl").write_text("".join(
+        json.dumps({"step": 10 * (i + 1), "test_loss": v}) + "\n"
+        for i, v in enumerate(losses)))
+  result = _table(tmp_path, "--target_loss=2.0")
+  rows = result["rows"]
+  # The drained evaluation at num_steps (step 30) is not a point: S=8 at
+  # 3e-3 never reaches 2.0 though its drained loss is 0.
+  assert rows["r@3e-3-S8-0".rsplit("-S", 1)[0]]["8"]["steps"] is None
+  assert rows["r@1e-3"]["1"]["steps"] == 20.0
+  assert rows["r@3e-3"]["1"]["steps"] == pytest.approx(10.0)
+  best = result["best_rates"]["r"]
+  assert best["at_s1"] == "3e-3" and best["per_depth"] == {"1": "3e-3",
+                                                           "8": "1e-3"}
+  text = (tmp_path / "out" / "staleness_depth.md").read_text()
+  assert "| r (3e-3) | 1e-3, 3e-3 | 10 (1.00x) | >20 (>2.00x) |" in text
+  assert "| r | 1e-3, 3e-3 | 10 (1.00x) @3e-3 | 20 (2.00x) @1e-3 |" in text

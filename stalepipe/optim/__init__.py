@@ -14,6 +14,7 @@ from stalepipe.optim._adam_variance import ScaleByVarianceReducedAdamState
 from stalepipe.optim._basis_rotation import basis_rotation_adam
 from stalepipe.optim._basis_rotation import scale_by_basis_rotation
 from stalepipe.optim._basis_rotation import ScaleByBasisRotationState
+from stalepipe.optim._clipping import clip_by_group_norm
 from stalepipe.optim._delay_compensation import compensate
 from stalepipe.optim._delay_compensation import delay_compensation
 from stalepipe.optim._delay_compensation import DelayCompensationState
@@ -43,6 +44,7 @@ from stalepipe.optim._weight_prediction import WeightPredictionState
 __all__ = (
     "attention_mlp",
     "basis_rotation_adam",
+    "clip_by_group_norm",
     "compensate",
     "delay_compensation",
     "delay_aware_momentum",
@@ -77,6 +79,7 @@ __all__ = (
 # takes the whole chain as its `optimizer`.
 TRANSFORMS = registry.Registry("transform", {
     "stale_gradients": stale_gradients,
+    "clip_by_group_norm": clip_by_group_norm,
     "delay_compensation": delay_compensation,
     "scale_by_staleness": scale_by_staleness,
     "scale_by_variance_reduced_adam": scale_by_variance_reduced_adam,
