@@ -326,3 +326,42 @@ def test_a_config_no_process_can_build_is_refused_by_each_in_one_line(
         "leaves some of the 2 processes without a device; valid: exactly 8 "
         "(all devices of all processes)"), err[-3000:]
   assert not (tmp_path / "w" / "metrics.jsonl").exists()
+
+
+class _SigtermAt:
+  """A user hook that sends this process SIGTERM at step `step` (after the
+  trainer's own hooks of that window ran, so the next window's run it)."""
+
+  def __init__(self, step):
+    self.every, self.step = 2, step
+
+  def __call__(self, run):
+    if run.step == self.step:
+      os.kill(os.getpid(), signal.SIGTERM)
+
+
+def test_a_preemption_in_a_checkpoint_window_is_a_preemption(tmp_path):
+  """The checkpoint hook and the preemption hook save the same step: one
+  save, and the run ends preempted (not failed); the rerun finishes it."""
+  config = tiny(num_steps=8, checkpoint_every=2)
+  first = trainer.train_and_evaluate(config, str(tmp_path), [_SigtermAt(2)])
+  assert first["preempted"] == "SIGTERM" and first["steps"] == 4
+  assert (tmp_path / "checkpoints" / "4").is_dir()
+  second = trainer.train_and_evaluate(config, str(tmp_path))
+  assert second["resumed_from_step"] == 4 and second["steps"] == 8
+
+
+def test_a_finished_run_rerun_with_another_config_is_refused(tmp_path):
+  config = tiny(num_steps=4)
+  trainer.train_and_evaluate(config, str(tmp_path))
+  kept = _bytes(tmp_path)
+  assert trainer.train_and_evaluate(config, str(tmp_path))[
+      "already_finished"]
+  config.optimizer_kwargs.learning_rate = 0.5
+  config.seed = 3
+  with pytest.raises(ValueError, match=(
+      r"^the finished run in .* was trained with another config \(fields "
+      r"optimizer_kwargs, seed differ\); valid: the config it was run with, "
+      r"--fresh, or a new --workdir$")):
+    trainer.train_and_evaluate(config, str(tmp_path))
+  assert _bytes(tmp_path) == kept

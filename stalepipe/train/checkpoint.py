@@ -66,6 +66,15 @@ def fingerprint(config_dict: dict[str, Any]) -> dict[str, Any]:
   return {k: v for k, v in config_dict.items() if k not in RESUMABLE_CHANGES}
 
 
+def changed_fields(saved: dict[str, Any], config_dict: dict[str, Any]
+                   ) -> list[str]:
+  """The fields of `fingerprint(config_dict)` that `saved` (a fingerprint,
+  or a whole config) holds otherwise, sorted."""
+  saved, current = fingerprint(saved), fingerprint(config_dict)
+  return sorted(k for k in saved.keys() | current.keys()
+                if saved.get(k) != current.get(k))
+
+
 class CheckpointError(RuntimeError):
   """A checkpoint could not be written (disk full, no permission, ...)."""
 
@@ -131,6 +140,7 @@ class Checkpointer:
     self.directory = os.path.abspath(directory)
     self.skipped: list[str] = []  # "DIR/N (why)" per checkpoint skipped
     self.restored_from: int | None = None  # the directory `restore` read
+    self._saved_step: int | None = None  # the step this object last saved
     self._manager = ocp.CheckpointManager(
         self.directory, item_names=("state", "position"),
         options=ocp.CheckpointManagerOptions(
@@ -148,6 +158,8 @@ class Checkpointer:
     Raises:
       CheckpointError: if this or the previous (asynchronous) save failed.
     """
+    if step == self._saved_step:
+      return  # the same step's state again (a preemption in a save window)
     flat = _flat(state)
     position = dict(position, config=fingerprint(config_dict),
                     checksums=checksums(flat))
@@ -160,6 +172,7 @@ class Checkpointer:
     except Exception as e:  # orbax raises many types; all mean not saved
       raise CheckpointError(f"saving checkpoints in {self.directory} failed "
                             f"at step {step}: {_one_line(e)}") from e
+    self._saved_step = step
     self._empty_deleted()  # the step this save retired
 
   def restore(self, abstract_state: Any, config_dict: dict[str, Any]
@@ -194,9 +207,7 @@ class Checkpointer:
       if saved_sum is not None and saved_sum != _position_sum(position):
         self._skip(step, "position record checksum mismatch")
         continue
-      saved, current = position.pop("config", {}), fingerprint(config_dict)
-      changed = sorted(k for k in saved.keys() | current.keys()
-                       if saved.get(k) != current.get(k))
+      changed = changed_fields(position.pop("config", {}), config_dict)
       if changed:
         raise ValueError(f"checkpoint {path} is incompatible with this config "
                          f"(fields {', '.join(changed)} differ); valid: the "

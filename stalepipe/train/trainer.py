@@ -102,6 +102,21 @@ def _finished_summary(workdir: str, num_steps: int) -> dict[str, Any] | None:
   return summary if summary.get("steps") == num_steps else None
 
 
+def _check_finished_config(workdir: str, config_dict: dict[str, Any]) -> None:
+  """One line if the finished run in `workdir` was trained with another
+  config: its results must not stand in for this one's."""
+  try:
+    with open(os.path.join(workdir, "config.json")) as f:
+      saved = json.load(f)
+  except (OSError, ValueError):
+    saved = {}
+  changed = checkpoint_lib.changed_fields(saved, config_dict)
+  if changed:
+    raise ValueError(f"the finished run in {workdir} was trained with another "
+                     f"config (fields {', '.join(changed)} differ); valid: "
+                     "the config it was run with, --fresh, or a new --workdir")
+
+
 def _restore(parts: build.Parts, ckpt, config_dict, console) -> tuple[Any, int]:
   """The newest checkpoint's state and step, or a fresh state at step 0."""
   config, B = parts.config, parts.steps_per_window
@@ -142,6 +157,7 @@ def _train(parts: build.Parts, workdir: str,
   try:
     if finished is not None and ckpt.latest_step() in (num_steps,
                                                        num_steps // B):
+      _check_finished_config(workdir, config_dict)
       return dict(finished, already_finished=True)
     state, first = _restore(parts, ckpt, config_dict, console)
     if is_writer:  # whole or not at all, as every file the run writes
