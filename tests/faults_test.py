@@ -25,6 +25,8 @@ sys.path.insert(0, str(ROOT))
 
 from stalepipe.pipeline import executor  # pylint: disable=g-import-not-at-top
 from stalepipe.train import build  # pylint: disable=g-import-not-at-top
+from stalepipe.train import launcher  # pylint: disable=g-import-not-at-top
+from stalepipe.train import loop  # pylint: disable=g-import-not-at-top
 from stalepipe.train import metrics  # pylint: disable=g-import-not-at-top
 from stalepipe.train import trainer  # pylint: disable=g-import-not-at-top
 from tests import run_path_test  # pylint: disable=g-import-not-at-top
@@ -365,3 +367,35 @@ def test_a_finished_run_rerun_with_another_config_is_refused(tmp_path):
       r"--fresh, or a new --workdir$")):
     trainer.train_and_evaluate(config, str(tmp_path))
   assert _bytes(tmp_path) == kept
+
+
+class _StopAt:
+  """The documented early stop: a hook that raises `loop.Stop`."""
+
+  def __init__(self, step):
+    self.every, self.step = 2, step
+
+  def __call__(self, run):
+    if run.step >= self.step:
+      raise loop.Stop("target loss reached")
+
+
+def test_an_early_stop_is_a_successful_end_and_its_rerun_has_nothing_to_do(
+    tmp_path, capsys):
+  config = tiny(num_steps=8, eval_every=4)
+  summary = trainer.train_and_evaluate(config, str(tmp_path), [_StopAt(4)])
+  assert summary["stopped_early"] == "target loss reached"
+  assert summary["steps"] == 4 and "preempted" not in summary
+  assert (tmp_path / "params.npz").exists()
+  written = json.loads((tmp_path / "summary.json").read_text())
+  assert written["steps"] == 4 and written["test_loss"] == summary["test_loss"]
+  # The final evaluation is of the drained weights, recorded last at step 4.
+  evals = [r for r in map(json.loads, (tmp_path / "metrics.jsonl").open())
+           if "test_loss" in r]
+  assert evals[-1] == {"step": 4, "test_loss": summary["test_loss"],
+                       "test_accuracy": summary["test_accuracy"]}
+  kept = _bytes(tmp_path)
+  again = trainer.train_and_evaluate(config, str(tmp_path), [_StopAt(4)])
+  assert again["already_finished"] and _bytes(tmp_path) == kept
+  launcher._report(again, str(tmp_path))
+  assert "stopped early: target loss reached" in capsys.readouterr().out

@@ -186,7 +186,10 @@ class Evaluate:
       self._show(run.step, *self.at(run))
 
   def final(self, run: loop.Run) -> tuple[float, float]:
-    """Test loss and accuracy of the run's final (drained) state, shown."""
+    """Test loss and accuracy of the run's final (drained) state, shown; a
+    mid-run evaluation at the same step (an early stop) is of other weights."""
+    if self._last is not None and self._last[0] == run.step:
+      self._last = None
     test_loss, accuracy = self.at(run)
     self._show(run.step, test_loss, accuracy)
     return test_loss, accuracy

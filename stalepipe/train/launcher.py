@@ -195,10 +195,14 @@ def _report(summary: dict[str, Any], workdir: str) -> None:
     sys.exit(f"launch.py: stopped by {summary['preempted']} at step "
              f"{summary['steps']}; checkpoint {summary['checkpoint']}; run "
              "the same command again to resume")
+  early = summary.get("stopped_early")
   if summary.get("already_finished"):
     print(f"nothing to do: the run in {workdir} already ended at step "
-          f"{summary['steps']} (summary.json kept; raise --config.num_steps "
-          "to continue it)")
+          f"{summary['steps']} " + (
+              f"(stopped early: {early}; summary.json kept)" if early else
+              "(summary.json kept; raise --config.num_steps to continue it)"))
+  elif early:
+    print(f"stopped early at step {summary['steps']}: {early}")
   print(f"test loss {summary['test_loss']:.4f}  test accuracy "
         f"{summary['test_accuracy']:.2%}  "
         f"{summary['steps_per_s']:.1f} steps/s training  "

@@ -93,13 +93,15 @@ def _write_atomically(path: str, text: str) -> None:
 
 
 def _finished_summary(workdir: str, num_steps: int) -> dict[str, Any] | None:
-  """The summary of a run in `workdir` that already ended at `num_steps`."""
+  """The summary of a run in `workdir` that already ended: at `num_steps`,
+  or early (a hook's `loop.Stop`)."""
   try:
     with open(os.path.join(workdir, "summary.json")) as f:
       summary = json.load(f)
   except (OSError, ValueError):
     return None
-  return summary if summary.get("steps") == num_steps else None
+  ended = summary.get("steps") == num_steps or summary.get("stopped_early")
+  return summary if ended else None
 
 
 def _check_finished_config(workdir: str, config_dict: dict[str, Any]) -> None:
@@ -155,8 +157,8 @@ def _train(parts: build.Parts, workdir: str,
   console = metrics_lib.Progress(num_steps, is_writer)
   writer = None
   try:
-    if finished is not None and ckpt.latest_step() in (num_steps,
-                                                       num_steps // B):
+    if finished is not None and ckpt.latest_step() in (finished["steps"],
+                                                       finished["steps"] // B):
       _check_finished_config(workdir, config_dict)
       return dict(finished, already_finished=True)
     state, first = _restore(parts, ckpt, config_dict, console)
@@ -173,12 +175,15 @@ def _train(parts: build.Parts, workdir: str,
                         num_steps, B, [*hooks, *configured, *user_hooks])
     ckpt.wait()
     console.close()
-    if why != "done":
+    if why != "done" and preemption.requested():
       return {"preempted": why, "steps": end.step,
               "checkpoint": f"{ckpt.directory}/{end.step}"}
+    # A hook's `loop.Stop` (an early stop) ends the run as `num_steps` does.
     end, drained = _drain(pipe, end, ckpt)
     return _summary(parts, workdir, end, first, ckpt, writer, throughput,
-                    evaluation, preemption, drained)
+                    evaluation, preemption,
+                    dict(drained, stopped_early=None if why == "done"
+                         else why))
   finally:  # whatever happened: pending saves end, threads and files close
     console.close()
     try:
