@@ -76,6 +76,8 @@ def test_results_without_checkpoints_are_kept_and_fresh_moves_them_aside(
       for q in sorted(p.rglob("*"), reverse=True):
         q.unlink() if q.is_file() else q.rmdir()
       p.rmdir()
+  # A hook's own records (StageNorms' stage_norms.jsonl) belong to the run.
+  (tmp_path / "stage_norms.jsonl").write_text('{"step": 8}\n')
   before = _bytes(tmp_path)
   with pytest.raises(ValueError, match="holds a run's results"):
     trainer.train_and_evaluate(config, str(tmp_path))
@@ -83,8 +85,15 @@ def test_results_without_checkpoints_are_kept_and_fresh_moves_them_aside(
   summary = trainer.train(build.parts(config), str(tmp_path), fresh=True)
   assert summary["steps"] == 8 and summary["resumed_from_step"] is None
   aside = tmp_path / "previous-1"
-  for name in ("metrics.jsonl", "summary.json", "params.npz"):
+  for name in ("metrics.jsonl", "summary.json", "params.npz",
+               "stage_norms.jsonl"):
     assert (aside / name).read_bytes() == before[name], name
+  assert not (tmp_path / "stage_norms.jsonl").exists()
+  # A second fresh start keeps the first one's files where they are.
+  trainer.train(build.parts(config), str(tmp_path), fresh=True)
+  assert (tmp_path / "previous-2" / "summary.json").exists()
+  assert (aside / "stage_norms.jsonl").read_bytes() == before[
+      "stage_norms.jsonl"]
 
 
 def test_resumed_metrics_are_whole_on_disk_before_the_first_new_record(

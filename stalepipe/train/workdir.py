@@ -22,14 +22,15 @@ Examples:
 import contextlib
 import fcntl
 import os
+import re
 import socket
 from typing import Iterator
 
 import jax
 
-# What a run leaves in its workdir (besides `lock`).
-RESULTS = ("metrics.jsonl", "summary.json", "params.npz", "config.json",
-           "checkpoints", "tb", "loss.png", "schedule.png")
+# What stays when a fresh start moves an earlier run aside: the lock the
+# run holds, and the runs moved aside before.
+_KEPT = re.compile(r"lock|previous-\d+")
 
 
 @contextlib.contextmanager
@@ -73,9 +74,10 @@ def check_no_results(workdir: str) -> None:
 
 
 def move_aside(workdir: str) -> str | None:
-  """Moves an earlier run's files into `<workdir>/previous-N/` (N = 1, 2,
-  ...); returns that directory, or None when there was nothing to move."""
-  found = [n for n in RESULTS if os.path.exists(os.path.join(workdir, n))]
+  """Moves everything an earlier run wrote (its hooks' files too) into
+  `<workdir>/previous-N/` (N = 1, 2, ...); returns that directory, or None
+  when there was nothing to move."""
+  found = sorted(n for n in os.listdir(workdir) if not _KEPT.fullmatch(n))
   if not found:
     return None
   n = 1
