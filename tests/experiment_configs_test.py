@@ -57,3 +57,15 @@ def test_row_builds(filename, arg):
   config = get_config(f"{arg},seed=1")
   assert config.seed == 1
   build.parts(config)
+
+
+@pytest.mark.parametrize("arg,message", [
+    ("method=nope", "method='nope' is invalid; valid: 1f1b, pipedream, "),
+    ("method=zb_async,stages=32", "windows=16 is invalid for zb_async at "
+     "stages=32; valid: a multiple of 32, its micro-batches"),
+])
+def test_depth_study_refuses_a_bad_row_in_one_line(arg, message):
+  get_config = runpy.run_path(str(
+      ROOT / "configs" / "experiments" / "staleness_depth.py"))["get_config"]
+  with pytest.raises(ValueError, match=re.escape(message)):
+    get_config(arg)

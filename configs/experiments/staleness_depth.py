@@ -29,6 +29,10 @@ def get_config(arg=None):
                          steps=288, eval_every=24, eval_windows=256)
   common.check_choice("method", arg.method, METHODS)
   M = arg.stages if arg.method == "zb_async" else 1  # zero bubble: M >= S - 1
+  if arg.windows % M:
+    raise ValueError(f"windows={arg.windows} is invalid for {arg.method} at "
+                     f"stages={arg.stages}; valid: a multiple of {M}, its "
+                     "micro-batches")
   config = default.get_config("variant=transformer_stdlib")
   config.update(dict(  # one evaluation past the tables' last: the drained one
       seed=arg.seed, schedule="pipedream", num_stages=arg.stages,
