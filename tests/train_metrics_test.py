@@ -2,11 +2,13 @@
 
 import json
 import os
+import re
 import signal
 import struct
 
 import matplotlib.image
 import numpy as np
+import pytest
 
 from stalepipe import schedules
 from stalepipe.train import metrics
@@ -84,3 +86,29 @@ def test_preemption_catches_and_restores_handlers():
     os.kill(os.getpid(), signal.SIGINT)
     assert p.requested() and p.signal_name == "SIGINT"
   assert signal.getsignal(signal.SIGINT) is before
+
+
+def test_resume_drops_a_last_line_cut_short_and_names_a_bad_line(tmp_path):
+  path = tmp_path / "metrics.jsonl"
+  whole = '{"step": 2, "loss": 1.0}\n{"step": 4, "loss": 0.5}\n'
+  path.write_text(whole + '{"step": 6, "lo')  # killed mid-append
+  writer = metrics.Writer(str(tmp_path), True, resume_step=6)
+  writer.close()
+  assert path.read_text() == whole
+  path.write_text('{"step": 2, "loss": 1.0}\n{"step": 4, "lo\n'
+                  '{"step": 6, "loss": 0.5}\n')
+  with pytest.raises(ValueError, match=(
+      rf"^{re.escape(str(path))} line 2 is not a metrics record \(.*\); "
+      "valid: one JSON object with a step a line; move the file aside, or "
+      "--fresh$")):
+    metrics.Writer(str(tmp_path), True, resume_step=6)
+
+
+def test_non_finite_values_are_written_as_json_null(tmp_path):
+  writer = metrics.Writer(str(tmp_path), True, resume_step=None)
+  writer.write(1, {"loss": float("nan"), "grad": float("inf"), "ok": 2.0})
+  writer.close()
+  line = (tmp_path / "metrics.jsonl").read_text()
+  assert json.loads(line) == {"step": 1, "loss": None, "grad": None,
+                              "ok": 2.0}
+  assert "NaN" not in line and "Infinity" not in line

@@ -13,6 +13,7 @@ terminal) with evaluation lines printed above it. Files in the workdir:
 
 import datetime
 import json
+import math
 import os
 import resource
 import time
@@ -70,6 +71,35 @@ class _TensorBoard:
     self._events.close()
 
 
+def _json_safe(record: dict[str, Any]) -> dict[str, Any]:
+  """`record` with NaN and infinite floats as null: strict JSON (a reader
+  such as `jq` or JavaScript's `JSON.parse` refuses Python's `NaN` token)."""
+  return {k: None if isinstance(v, float) and not math.isfinite(v) else v
+          for k, v in record.items()}
+
+
+def _read_records(path: str) -> list[dict[str, Any]]:
+  """The records of a metrics.jsonl. A last line cut short (a kill while it
+  was being appended) is dropped; any other line that is not a JSON record
+  is one line naming the file and the line."""
+  with open(path) as f:
+    lines = [(i, line) for i, line in enumerate(f, 1) if line.strip()]
+  records = []
+  for k, (i, line) in enumerate(lines):
+    try:
+      record = json.loads(line)
+      if not isinstance(record, dict) or "step" not in record:
+        raise ValueError("not a record with a step")
+    except ValueError as e:
+      if k == len(lines) - 1 and not line.endswith("\n"):
+        break
+      raise ValueError(f"{path} line {i} is not a metrics record ({e}); "
+                       "valid: one JSON object with a step a line; move the "
+                       "file aside, or --fresh") from None
+    records.append(record)
+  return records
+
+
 class Writer:
   """Writes scalars to `metrics.jsonl` and TensorBoard under `workdir`.
 
@@ -89,10 +119,9 @@ class Writer:
       return
     path = os.path.join(workdir, "metrics.jsonl")
     if resume_step is not None and os.path.exists(path):
-      with open(path) as f:
-        self.records = [r for r in map(json.loads, filter(str.strip, f))
-                        if r["step"] < resume_step or
-                        (r["step"] == resume_step and "test_loss" not in r)]
+      self.records = [r for r in _read_records(path)
+                      if r["step"] < resume_step or
+                      (r["step"] == resume_step and "test_loss" not in r)]
     # The kept records replace the file whole (a kill leaves the old file or
     # the new one), then new ones are appended and flushed one by one.
     tmp = path + ".tmp"
@@ -112,7 +141,7 @@ class Writer:
     record = {"step": step, **metrics}
     self.records.append(record)
     try:
-      self._jsonl.write(json.dumps(record) + "\n")
+      self._jsonl.write(json.dumps(_json_safe(record)) + "\n")
       self._jsonl.flush()
     except OSError as e:  # name the file (a full disk, say)
       raise OSError(e.errno, e.strerror, self._jsonl.name) from e
