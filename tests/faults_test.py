@@ -184,6 +184,10 @@ BAD_INPUT = [
      "seed=4294967296 is invalid; valid: an integer in [0, 2**32)"),
     (lambda p: [_config_file(p, "def get_config(arg=None):\n  return None\n")],
      "get_config returned NoneType; valid: a ConfigDict"),
+    (lambda p: [_config_file(p, "def get_config(arg=None):\n"
+                                "  return {'seed': 0}\n")],
+     "get_config returned dict; valid: a ConfigDict "
+     "(ml_collections.ConfigDict(d) wraps a dict)"),
     (lambda p: [_config_file(p, "import sys\ndef get_config(arg=None):\n"
                                 "  sys.exit(3)\n")],
      "called sys.exit(3); valid: a get_config that returns a ConfigDict"),

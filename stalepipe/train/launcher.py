@@ -19,6 +19,7 @@ from typing import Any, NamedTuple, Sequence
 
 from absl import flags
 from absl import logging
+import ml_collections
 
 from stalepipe.train import prelude
 
@@ -213,6 +214,10 @@ def main(config, argv: Sequence[str], workdir: str | None,
          distributed: Distributed, fresh: bool = False) -> None:
   """Starts, checks, trains and reports one run (see the module)."""
   quiet_logs()
+  if not isinstance(config, ml_collections.ConfigDict):
+    error(f"config file {prelude.config_arg(argv)[0]}: get_config returned "
+          f"{type(config).__name__}; valid: a ConfigDict "
+          "(ml_collections.ConfigDict(d) wraps a dict)")
   if workdir == "":
     error("--workdir= is invalid: empty; valid: a directory path, or no "
           "--workdir for a new one under runs/")
