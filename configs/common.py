@@ -41,7 +41,11 @@ def parse_arg(arg: str | None, **defaults) -> ml_collections.ConfigDict:
                          "True or False")
       parsed[key] = value in ("True", "1")
     else:
-      parsed[key] = kind(value)
+      try:
+        parsed[key] = kind(value)
+      except ValueError:
+        raise ValueError(f"config argument {key}={value!r} is invalid; "
+                         f"valid: a value of type {kind.__name__}") from None
   return parsed
 
 

@@ -63,6 +63,8 @@ def test_row_builds(filename, arg):
     ("method=nope", "method='nope' is invalid; valid: 1f1b, pipedream, "),
     ("method=zb_async,stages=32", "windows=16 is invalid for zb_async at "
      "stages=32; valid: a multiple of 32, its micro-batches"),
+    ("stages=abc", "config argument stages='abc' is invalid; valid: a value of type int"),
+    ("lr=fast", "config argument lr='fast' is invalid; valid: a value of type float"),
 ])
 def test_depth_study_refuses_a_bad_row_in_one_line(arg, message):
   get_config = runpy.run_path(str(
