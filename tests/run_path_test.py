@@ -340,3 +340,52 @@ def test_a_second_run_on_a_workdir_is_refused_and_a_killed_one_leaves_no_lock(
                     workdir=tmp_path)
   assert resumed.returncode == 0, resumed.stderr[-2000:]
   assert "resuming from checkpoint" in resumed.stdout + resumed.stderr
+
+
+@pytest.mark.parametrize("module,kwargs,message", [
+    ("broken_syntax", {}, r"hooks\[0\] 'hookmods\.broken_syntax:make' is "
+     r"invalid: SyntaxError: .*valid: 'package\.module:factory'"),
+    ("raises_on_import", {}, r"hooks\[0\] 'hookmods\.raises_on_import:make' "
+     r"is invalid: RuntimeError: no GPU here; valid: "),
+    ("fine", [1, 2], r"hooks\[0\] hookmods\.fine:make kwargs \[1, 2\] are "
+     r"invalid; valid: a dict of the factory's keyword arguments"),
+])
+def test_a_hook_module_or_kwargs_that_fail_are_one_line(
+    tmp_path, monkeypatch, module, kwargs, message):
+  package = tmp_path / "hookmods"
+  package.mkdir()
+  (package / "__init__.py").write_text("")
+  (package / "broken_syntax.py").write_text("def make(:\n")
+  (package / "raises_on_import.py").write_text(
+      "raise RuntimeError('no GPU here')\n")
+  (package / "fine.py").write_text("def make(parts, workdir):\n  return None\n")
+  monkeypatch.syspath_prepend(str(tmp_path))
+  with pytest.raises(ValueError, match=message):
+    build.parts(tiny(hooks=((f"hookmods.{module}:make", kwargs),)))
+
+
+def _failing_factory(parts, workdir):
+  del parts, workdir
+  raise OSError("quota exceeded")
+
+
+def _no_hook_factory(parts, workdir):
+  del parts, workdir
+
+
+@pytest.mark.parametrize("factory,message", [
+    ("_failing_factory", r"hooks\[0\] _failing_factory failed: OSError: "
+     "quota exceeded"),
+    ("_no_hook_factory", r"hooks\[0\] _no_hook_factory returned NoneType; "
+     "valid: a hook, a callable with an `every` attribute"),
+])
+def test_a_hook_factory_that_fails_is_refused_before_anything_is_written(
+    tmp_path, factory, message):
+  config = tiny(hooks=((f"tests.run_path_test:{factory}", {}),))
+  with pytest.raises(ValueError, match=message):
+    trainer.train_and_evaluate(config, str(tmp_path / "w"))
+  written = [p.name for p in (tmp_path / "w").rglob("*") if p.is_file()]
+  assert written == ["lock"]  # (and the checkpoint manager's empty folder)
+  # Nothing blocks the next run: the same workdir trains without --fresh.
+  config.hooks = ()
+  assert trainer.train_and_evaluate(config, str(tmp_path / "w"))["steps"] == 8

@@ -19,7 +19,7 @@ Examples:
 import importlib
 import inspect
 import os
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import jax
 import ml_collections
@@ -153,12 +153,18 @@ def _hook_factories(config) -> list[tuple[Callable[..., Any], dict[str, Any]]]:
     if not isinstance(entry, (tuple, list)) or len(entry) != 2:
       raise ValueError(f"hooks[{i}]={entry!r} is invalid; valid: a "
                        "('module:factory', kwargs) pair")
-    where, kwargs = entry[0], dict(entry[1])
+    where, kwargs = entry
+    if not isinstance(kwargs, Mapping):
+      raise ValueError(f"hooks[{i}] {where} kwargs {kwargs!r} are invalid; "
+                       "valid: a dict of the factory's keyword arguments")
+    kwargs = dict(kwargs)
     module, _, attr = str(where).partition(":")
     try:
       factory = getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError, ValueError) as e:
-      raise ValueError(f"hooks[{i}] {where!r} is invalid: {e}; valid: "
+    except Exception as e:  # pylint: disable=broad-except
+      # Whatever importing the module raised (a syntax error in it too).
+      raise ValueError(f"hooks[{i}] {where!r} is invalid: "
+                       f"{type(e).__name__}: {e}; valid: "
                        "'package.module:factory', importable from the "
                        "working directory") from None
     try:

@@ -104,6 +104,25 @@ def _finished_summary(workdir: str, num_steps: int) -> dict[str, Any] | None:
   return summary if ended else None
 
 
+def _configured_hooks(parts: build.Parts, workdir: str) -> list[Any]:
+  """The config's own hooks, each `factory(parts, workdir, **kwargs)`; one
+  line if a factory fails or returns no hook (a callable with `every`)."""
+  hooks = []
+  for i, (factory, kwargs) in enumerate(parts.hooks):
+    name = getattr(factory, "__qualname__", repr(factory))
+    try:
+      hook = factory(parts, workdir, **kwargs)
+    except Exception as e:  # pylint: disable=broad-except
+      raise ValueError(f"hooks[{i}] {name} failed: {type(e).__name__}: {e}"
+                       ) from None
+    if not callable(hook) or not hasattr(hook, "every"):
+      raise ValueError(f"hooks[{i}] {name} returned {type(hook).__name__}; "
+                       "valid: a hook, a callable with an `every` attribute "
+                       "(stalepipe.train.loop)")
+    hooks.append(hook)
+  return hooks
+
+
 def _check_finished_config(workdir: str, config_dict: dict[str, Any]) -> None:
   """One line if the finished run in `workdir` was trained with another
   config: its results must not stand in for this one's."""
@@ -162,6 +181,7 @@ def _train(parts: build.Parts, workdir: str,
       _check_finished_config(workdir, config_dict)
       return dict(finished, already_finished=True)
     state, first = _restore(parts, ckpt, config_dict, console)
+    configured = _configured_hooks(parts, workdir)  # before anything is written
     if is_writer:  # whole or not at all, as every file the run writes
       _write_atomically(os.path.join(workdir, "config.json"),
                         config.to_json(indent=2))
@@ -169,8 +189,6 @@ def _train(parts: build.Parts, workdir: str,
                                 resume_step=first if first else None)
     hooks, throughput, evaluation = _hooks(parts, config_dict, ckpt, writer,
                                            console, preemption)
-    configured = [factory(parts, workdir, **kwargs)
-                  for factory, kwargs in parts.hooks]
     end, why = loop.run(pipe.step, loop.Run(first, state, {}), parts.batch,
                         num_steps, B, [*hooks, *configured, *user_hooks])
     ckpt.wait()
