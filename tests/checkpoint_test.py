@@ -17,6 +17,7 @@ import threading
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -338,3 +339,21 @@ def test_nan_loss_stops_naming_the_step_and_keeps_last_good(tmp_path):
   assert summary["resumed_from_step"] == last
   for value in params_of(tmp_path).values():
     assert np.all(np.isfinite(value))
+
+
+def test_a_checkpoint_records_its_precision_and_refuses_another(tmp_path):
+  """A float32 run resumed under JAX_ENABLE_X64=1 would go on in float64."""
+  ckpt = checkpoint.Checkpointer(str(tmp_path), keep=1)
+  ckpt.save(2, {"w": jnp.ones(3)}, {"step": 2}, {"seed": 0})
+  ckpt.wait()
+  jax.config.update("jax_enable_x64", True)
+  try:
+    with pytest.raises(ValueError, match=r"fields jax_enable_x64 differ"):
+      ckpt.restore({"w": jax.ShapeDtypeStruct((3,), jnp.float32)},
+                   {"seed": 0})
+  finally:
+    jax.config.update("jax_enable_x64", False)
+  state, _ = ckpt.restore({"w": jax.ShapeDtypeStruct((3,), jnp.float32)},
+                          {"seed": 0})
+  assert state["w"].tolist() == [1.0, 1.0, 1.0]
+  ckpt.close()

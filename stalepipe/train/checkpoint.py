@@ -61,16 +61,27 @@ def _unflat(abstract: Any, flat: dict[str, Any]) -> Any:
                                           abstract)
 
 
+# Not a config field, but what the run computes in: float32 or float64.
+PRECISION = "jax_enable_x64"
+
+
 def fingerprint(config_dict: dict[str, Any]) -> dict[str, Any]:
-  """The config fields a checkpoint must agree with to be resumed."""
-  return {k: v for k, v in config_dict.items() if k not in RESUMABLE_CHANGES}
+  """The config fields a checkpoint must agree with to be resumed, and the
+  precision this process computes in (`PRECISION`)."""
+  return {**{k: v for k, v in config_dict.items()
+             if k not in RESUMABLE_CHANGES},
+          PRECISION: bool(jax.config.jax_enable_x64)}
 
 
 def changed_fields(saved: dict[str, Any], config_dict: dict[str, Any]
                    ) -> list[str]:
   """The fields of `fingerprint(config_dict)` that `saved` (a fingerprint,
-  or a whole config) holds otherwise, sorted."""
-  saved, current = fingerprint(saved), fingerprint(config_dict)
+  or a whole config) holds otherwise, sorted; the precision only where
+  `saved` records one."""
+  current = fingerprint(config_dict)
+  if PRECISION not in saved:
+    del current[PRECISION]
+  saved = {k: v for k, v in saved.items() if k not in RESUMABLE_CHANGES}
   return sorted(k for k in saved.keys() | current.keys()
                 if saved.get(k) != current.get(k))
 
