@@ -54,14 +54,18 @@ class LearnsItsData:
   weights; the references an untrained model sits at are the majority
   class's test accuracy (`majority_accuracy`) and, for a language model,
   the unigram entropy of the training labels in bits (`unigram_bits`).
-  Losses are read every window (`every` = minibatches per window).
+  Losses are read every window (`every` = minibatches per window) and kept
+  in `learns_its_data.jsonl`, so a resumed run's figures are those of the
+  whole run: the windows up to its checkpoint are read back, later ones (run
+  after that checkpoint, before the stop) dropped.
   """
 
   def __init__(self, parts, workdir: str, first: int = 10, last: int = 20):
     self.every = parts.steps_per_window
     self._first, self._last = first, last
     self._path = os.path.join(workdir, "figures.json")
-    self._losses = []  # each window's mean training loss
+    self._log = os.path.join(workdir, "learns_its_data.jsonl")
+    self._losses = None  # {window's last step: its mean training loss}
     y_test = parts.test[1]
     y_train = np.concatenate([shard.y for shard in parts.shards])
     self._figures = {
@@ -74,16 +78,33 @@ class LearnsItsData:
       p = p[p > 0]
       self._figures["unigram_bits"] = float(-(p * np.log2(p)).sum())
 
+  def _read_back(self, through: int) -> None:
+    """The kept losses of the windows that end at step `through` or before."""
+    self._losses = {}
+    if os.path.exists(self._log):
+      with open(self._log) as f:
+        for record in map(json.loads, filter(str.strip, f)):
+          if record["step"] <= through:
+            self._losses[record["step"]] = record["loss"]
+
   def __call__(self, run) -> None:
-    self._losses.append(float(run.metrics["loss"]))
+    if self._losses is None:  # a resumed run starts a window after its step
+      self._read_back(run.step - self.every)
+    self._losses[run.step] = float(run.metrics["loss"])
+    if jax.process_index() == 0:
+      with open(self._log, "a") as f:
+        f.write(json.dumps({"step": run.step,
+                            "loss": self._losses[run.step]}) + "\n")
 
   def end(self, run) -> None:
-    del run
+    if self._losses is None:  # nothing left to train (a rerun after a stop)
+      self._read_back(run.step)
+    losses = [self._losses[s] for s in sorted(self._losses)]
     first = -(-self._first // self.every)  # windows, rounded up
     last = -(-self._last // self.every)
     figures = dict(self._figures,
-                   first_loss=float(np.mean(self._losses[:first])),
-                   last_loss=float(np.mean(self._losses[-last:])))
+                   first_loss=float(np.mean(losses[:first])),
+                   last_loss=float(np.mean(losses[-last:])))
     if jax.process_index() == 0:
       with open(self._path, "w") as f:
         json.dump(figures, f, indent=2)

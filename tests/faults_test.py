@@ -412,3 +412,21 @@ def test_an_early_stop_is_a_successful_end_and_its_rerun_has_nothing_to_do(
   assert again["already_finished"] and _bytes(tmp_path) == kept
   launcher._report(again, str(tmp_path))
   assert "stopped early: target loss reached" in capsys.readouterr().out
+
+
+def test_a_hooks_figures_survive_a_preemption_and_a_rerun(tmp_path):
+  """LearnsItsData's first and last losses are the whole run's after a
+  SIGTERM and resume, and after a rerun that has nothing left to train."""
+  hook = (("experiments.hooks:LearnsItsData", {"first": 2, "last": 2}),)
+  config = tiny(num_steps=8, checkpoint_every=2, hooks=hook)
+  trainer.train_and_evaluate(config, str(tmp_path / "straight"))
+  want = json.loads((tmp_path / "straight" / "figures.json").read_text())
+  stopped = tmp_path / "stopped"
+  first = trainer.train_and_evaluate(config, str(stopped), [_SigtermAt(2)])
+  assert first["preempted"] == "SIGTERM"
+  trainer.train_and_evaluate(config, str(stopped))
+  assert json.loads((stopped / "figures.json").read_text()) == want
+  # A rerun after the end (the summary lost, say) writes the same figures.
+  (stopped / "summary.json").unlink()
+  trainer.train_and_evaluate(config, str(stopped))
+  assert json.loads((stopped / "figures.json").read_text()) == want
