@@ -86,7 +86,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # Devices on the mesh's 'stage' axis (0: num_stages): each runs
   # num_stages / stage_devices stages, placed by `placement`
   # (stalepipe.pipeline.placement: "consecutive", "loop" or "v"); the
-  # trained weights are the same whatever the folding.
+  # trained weights are the same whatever the folding, to float rounding.
   config.stage_devices = 0
   config.placement = "consecutive"
   # "recompute": a backward task recomputes its forward from the kept input;
