@@ -170,3 +170,12 @@ def test_bad_values_are_one_line(cache, kwargs, message):
   with pytest.raises(ValueError, match=message) as e:
     data.stdlib(cache_dir=cache, **kwargs)
   assert "\n" not in str(e.value) and "valid:" in str(e.value)
+
+
+def test_a_cache_dir_that_is_a_file_is_one_line(tmp_path):
+  blocker = tmp_path / "cache"
+  blocker.write_text("not a directory")
+  with pytest.raises(ValueError, match=(
+      r"^cache_dir='.*cache' is invalid: a file, not a directory; valid: a "
+      r"directory \(made if missing\)$")):
+    stdlib_corpus.stdlib(64, cache_dir=str(blocker))

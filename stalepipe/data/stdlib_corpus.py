@@ -130,6 +130,10 @@ def corpus_bytes(files: Files, cache_dir: str
   """The training and test bytes of `files`, uint8 views on the memory-mapped
   cache file in `cache_dir` (written first if missing, or if it is not an
   `.npy` of the files' size)."""
+  where = os.path.expanduser(cache_dir)
+  if os.path.exists(where) and not os.path.isdir(where):
+    raise ValueError(f"cache_dir={cache_dir!r} is invalid: a file, not a "
+                     "directory; valid: a directory (made if missing)")
   path = _cache_path(files, cache_dir)
   total = sum(files.sizes.values())
   data = None
