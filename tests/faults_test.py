@@ -430,3 +430,19 @@ def test_a_hooks_figures_survive_a_preemption_and_a_rerun(tmp_path):
   (stopped / "summary.json").unlink()
   trainer.train_and_evaluate(config, str(stopped))
   assert json.loads((stopped / "figures.json").read_text()) == want
+
+
+def test_a_nan_at_the_first_step_leaves_a_workdir_the_next_run_starts_in(
+    tmp_path, capfd):
+  """The run stops in one line (no tensorboardX warning before it); the
+  next run moves its records aside by itself and trains."""
+  config = tiny(num_steps=4, optimizer="sgd")
+  config.optimizer_kwargs.learning_rate = 1e30
+  with pytest.raises(ValueError, match="loss is nan at step 2"):
+    trainer.train_and_evaluate(config, str(tmp_path))
+  assert "NaN or Inf" not in "".join(capfd.readouterr())
+  failed = (tmp_path / "metrics.jsonl").read_bytes()
+  assert b"NaN" not in failed
+  config.optimizer_kwargs.learning_rate = 0.01
+  assert trainer.train_and_evaluate(config, str(tmp_path))["steps"] == 4
+  assert (tmp_path / "previous-1" / "metrics.jsonl").read_bytes() == failed

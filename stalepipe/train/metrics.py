@@ -44,11 +44,12 @@ class _TensorBoard:
   def __init__(self, logdir: str, purge_step: int | None):
     # pylint: disable=g-import-not-at-top
     from tensorboardX import event_file_writer
-    from tensorboardX import summary
     from tensorboardX.proto import event_pb2
+    from tensorboardX.proto import summary_pb2
     # pylint: enable=g-import-not-at-top
     os.makedirs(logdir, exist_ok=True)
-    self._logdir, self._event_pb2, self._summary = logdir, event_pb2, summary
+    self._logdir, self._event_pb2, self._summary_pb2 = (logdir, event_pb2,
+                                                        summary_pb2)
     self._events = event_file_writer.EventsWriter(
         os.path.join(logdir, "events"))
     if purge_step is not None:
@@ -60,9 +61,13 @@ class _TensorBoard:
   def add_scalars(self, step: int, metrics: dict[str, float]) -> None:
     try:
       for key, value in metrics.items():
+        # The proto itself: tensorboardX's `summary.scalar` prints a warning
+        # for a NaN, which the run reports in its own line.
+        scalar = self._summary_pb2.Summary.Value(tag=key,
+                                                  simple_value=float(value))
         self._events.write_event(self._event_pb2.Event(
             wall_time=time.time(), step=step,
-            summary=self._summary.scalar(key, value)))
+            summary=self._summary_pb2.Summary(value=[scalar])))
       self._events.flush()
     except OSError as e:  # name the file (a full disk, say)
       raise OSError(e.errno, e.strerror, self._logdir) from e

@@ -148,7 +148,11 @@ def _restore(parts: build.Parts, ckpt, config_dict, console) -> tuple[Any, int]:
   for line in ckpt.skipped:
     console.print(f"skipped checkpoint {line}")
   if restored is None:
-    workdir_lib.check_no_results(os.path.dirname(ckpt.directory))
+    workdir = os.path.dirname(ckpt.directory)
+    aside = workdir_lib.check_no_results(workdir)
+    if aside:
+      console.print(f"the earlier run in {workdir} saved no checkpoint and no "
+                    f"results; its records moved to {aside}")
     return parts.pipeline.init(parts.staged.stage_params), 0
   state, position = restored
   # Checkpoints name their step; those of older runs named their window.

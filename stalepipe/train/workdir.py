@@ -58,19 +58,25 @@ def lock(workdir: str) -> Iterator[None]:
     os.close(fd)  # releases the lock
 
 
-def check_no_results(workdir: str) -> None:
+def check_no_results(workdir: str) -> str | None:
   """Refuses a fresh start over an earlier run's results (one line).
 
   Called when there is no checkpoint to resume: the files there belong to a
-  run that cannot be continued, and a fresh start would overwrite them.
+  run that cannot be continued, and a fresh start would overwrite them. A
+  run that ended before its first checkpoint and wrote no result (a NaN
+  loss at step 1, a kill) left only its records: process 0 moves them to
+  `previous-N/` and returns that directory, and the new run starts.
   """
   found = [name for name in ("metrics.jsonl", "summary.json", "params.npz")
            if os.path.exists(os.path.join(workdir, name))]
+  if found == ["metrics.jsonl"]:
+    return move_aside(workdir) if jax.process_index() == 0 else None
   if found:
     raise ValueError(
         f"--workdir={workdir} holds a run's results ({', '.join(found)}) but "
         "no checkpoint to resume; valid: a new --workdir, or --fresh to move "
         "them to previous-N/ there and start afresh")
+  return None
 
 
 def move_aside(workdir: str) -> str | None:
