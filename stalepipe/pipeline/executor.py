@@ -71,7 +71,8 @@ def state_specs(state: PipelineState) -> PipelineState:
       grads=per_device(state.grads), buffers=per_device(state.buffers),
       history=jax.tree.map(lambda _: _WINDOW, state.history),
       sync=per_device(state.sync), step=P(),
-      stage_state=per_device(state.stage_state))
+      stage_state=per_device(state.stage_state),
+      drained=None if state.drained is None else P())
 
 
 def run_window(ctx: tick_lib.Stages, state: PipelineState, inputs, targets,
@@ -429,6 +430,7 @@ class Pipeline:
     targets, tables, plan)`, for the function `lower` and `compile` give
     (e.g. `pipe.compile(state, x, y)(*pipe.arguments(state, x, y))`, which
     donates the state like `step`)."""
+    contract.refuse_drained(state.drained is not None)
     self._check_window(inputs, targets)
     inputs, targets = self.place(inputs), self.place(targets)
     if state.buffers is None:
@@ -477,15 +479,18 @@ class Pipeline:
     windows after the last one, with every task and update of a minibatch
     that would start in them left out (`program.drain_table`), so the
     weights hold every minibatch trained on (an asynchronous schedule's
-    last ones included). The state is then for `params` and checkpoints;
-    it takes no further `step`.
+    last ones included). The state is then for `params`, `evaluate` and
+    checkpoints; `step` and `drain` refuse it (it is marked drained).
 
     Returns:
       The state and `loss` / `num_losses` of the forwards the drain ran.
     """
+    contract.refuse_drained(state.drained is not None)
     H, B = self.program.history, self.schedule.num_minibatches
+    drained = self._put(np.ones((), bool), P())
     if H == 0 or state.history is None:  # nothing crosses a window
-      return state, {"loss": jnp.nan, "num_losses": 0}
+      return state._replace(drained=drained), {"loss": jnp.nan,
+                                               "num_losses": 0}
     zeros = lambda tree: jax.tree.map(  # pylint: disable=unnecessary-lambda-assignment
         lambda h: self._put(np.zeros((B,) + h.shape[1:], h.dtype), _WINDOW),
         tree)
@@ -500,8 +505,8 @@ class Pipeline:
                                                       tables, plan)
       n = int(metrics["num_losses"])
       total, count = total + (float(metrics["loss"]) * n if n else 0.0), count + n
-    return state, {"loss": total / count if count else jnp.nan,
-                   "num_losses": count}
+    return state._replace(drained=drained), {
+        "loss": total / count if count else jnp.nan, "num_losses": count}
 
   def evaluate(self, state: PipelineState, inputs, targets) -> dict:
     """A forward-only window (`forward_only.py`): every micro-batch through

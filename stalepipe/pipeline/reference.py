@@ -72,6 +72,7 @@ class ReferenceState:
   window: int
   states: dict = dataclasses.field(default_factory=dict)  # (replica, stage)
   #   -> the stage's non-parameter state, for stages that take one
+  drained: bool = False  # `drain` ran: no further step or drain
 
 
 class Pipeline:
@@ -159,6 +160,7 @@ class Pipeline:
   def step(self, state: ReferenceState, inputs, targets):
     """Runs window k: the ticks from the stage-0 forward of minibatch kB up to
     that of minibatch (k+1)B, in the schedule over an endless stream."""
+    contract.refuse_drained(state.drained)
     B, M = self.schedule.num_minibatches, self.schedule.num_microbatches
     D, k = self.num_replicas, state.window
     for shape in [np.shape(v) for v in jax.tree.leaves((inputs, targets))]:
@@ -180,16 +182,19 @@ class Pipeline:
     """Finishes the minibatches still in flight after the last window (an
     asynchronous schedule's): every remaining task and update of
     minibatches before kB runs, none of later ones. The state is then for
-    `params`; it takes no further `step`."""
+    `params` and `evaluate`; `step` and `drain` refuse it."""
+    contract.refuse_drained(state.drained)
     k, B = state.window, self.schedule.num_minibatches
     if not state.inputs:
-      return state, {"loss": jnp.nan, "num_losses": 0, "staleness": {}}
+      return dataclasses.replace(state, drained=True), {
+          "loss": jnp.nan, "num_losses": 0, "staleness": {}}
     stream = self.schedule.with_minibatches((k + 2) * B)
     some = jax.tree.leaves(next(iter(state.inputs.values())))[0]
     w = self._scratch(state, stream, np.shape(some)[1] // self.num_replicas)
     self._run_ticks(w, range(_first_forwards(stream)[k * B],
                              stream.num_ticks), below=k * B)
-    return self._finish(w, k)
+    state, metrics = self._finish(w, k)
+    return dataclasses.replace(state, drained=True), metrics
 
   def _scratch(self, state: ReferenceState, stream, n: int) -> "_Scratch":
     return _Scratch(
