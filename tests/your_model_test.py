@@ -13,6 +13,7 @@ from flax import nnx
 import stalepipe as sp
 from stalepipe.pipeline import executor
 from stalepipe.pipeline import reference
+from tests import unpipelined
 
 EXAMPLE = runpy.run_path(str(pathlib.Path(__file__).parent.parent
                              / "experiments" / "your_model.py"),
@@ -108,7 +109,7 @@ def test_cut_model_with_a_whole_model_rule_equals_oracle_and_unpipelined(
   # Merged back, the module holds the trained weights and statistics.
   sp.models.merge(model, *got)
   np.testing.assert_array_equal(model.pos[...], got[0][0]["pos"])
-  np.testing.assert_array_equal(model.bn.mean[...], got[1][1]["bn.mean"])
+  np.testing.assert_array_equal(model.bn.mean[...], got[1][1]["bn"]["mean"])
 
 
 def test_asynchronous_schedule_with_global_norm_is_refused():
@@ -202,3 +203,134 @@ def test_every_schedule_runs_the_lm_as_the_oracle(name):
   _, _, got, want, _ = _train(name, optax.sgd(0.5), remat=remat,
                               optimizer_scope="stage")
   _close(got, want, ATOL)
+
+
+# The optimizer sees the module's own tree. A small decoder-ish module (an
+# embedding, RMSNorm scales, a head) cut into two stages, trained by 1F1B and
+# by the user's unpipelined optax loop on the module's nested parameter dict
+# (`nnx.to_pure_dict`, the paths `nnx.Optimizer` hands optax): masks and
+# labels that select leaves by path must mean the same leaves in both.
+class _Tiny(nnx.Module):
+
+  def __init__(self, rngs: nnx.Rngs):
+    self.embed = nnx.Embed(16, 8, rngs=rngs)
+    self.norm = nnx.RMSNorm(8, rngs=rngs)
+    self.mlp = nnx.Linear(8, 8, rngs=rngs)
+    self.out_norm = nnx.RMSNorm(8, rngs=rngs)
+    self.head = nnx.Linear(8, 16, rngs=rngs)
+
+
+def _tiny_front(m, ids):
+  return m.mlp(m.norm(m.embed(ids)))
+
+
+def _tiny_back(m, h):
+  return m.head(m.out_norm(jax.nn.silu(h)))
+
+
+def _tiny_loss(logits, targets):
+  return optax.softmax_cross_entropy_with_integer_labels(logits,
+                                                         targets).mean()
+
+
+def _by_path(fn):
+  """A mask or label function of the parameters, from `fn(keys, leaf)`."""
+  return lambda params: jax.tree_util.tree_map_with_path(
+      lambda path, v: fn(tuple(getattr(k, "key", getattr(k, "idx", k))
+                               for k in path), v), params)
+
+
+_FROZEN_EMBED = _by_path(lambda keys, _: "frozen" if keys[0] == "embed"
+                         else "train")
+_NOT_SCALES = _by_path(lambda keys, _: keys[-1] != "scale")
+_KERNELS = _by_path(lambda keys, _: keys[-1] == "kernel")
+_NNX_FILTER = nnx.filterlib.to_predicate(
+    nnx.Any(nnx.PathContains("embed"), nnx.PathContains("out_norm")))
+
+
+def _freeze(labels):
+  return optax.multi_transform({"train": optax.adam(0.05),
+                                "frozen": optax.set_to_zero()}, labels)
+
+
+_TREE_OPTIMIZERS = {
+    "multi_transform": lambda: _freeze(_FROZEN_EMBED),
+    "adamw_mask_global_norm": lambda: optax.chain(  # optimizer_scope "model"
+        optax.clip_by_global_norm(0.5),
+        optax.adamw(0.05, weight_decay=0.5, mask=_NOT_SCALES)),
+    "adamw_mask": lambda: optax.adamw(0.05, weight_decay=0.5,
+                                      mask=_NOT_SCALES),
+    "masked": lambda: optax.chain(
+        optax.masked(optax.add_decayed_weights(0.5), _KERNELS),
+        optax.sgd(0.1)),
+    "nnx_filter": lambda: _freeze(_by_path(
+        lambda keys, v: "frozen" if _NNX_FILTER(keys, v) else "train")),
+}
+
+
+def _tiny_windows(B=1, M=2, n=2, L=4):
+  rng = np.random.default_rng(0)
+  for _ in range(2):
+    ids = rng.integers(0, 16, size=(B, M, n, L + 1)).astype(np.int32)
+    yield ids[..., :-1], ids[..., 1:]
+
+
+def _unpipelined_tiny(optimizer, windows):
+  """The user's own loop: optax on the module's nested parameter dict."""
+  graphdef, state = nnx.split(_Tiny(nnx.Rngs(0)))
+  params = nnx.to_pure_dict(state)
+
+  def loss(params, x, y):
+    s = jax.tree.map(lambda v: v, state)
+    nnx.replace_by_pure_dict(s, params)
+    m = nnx.merge(graphdef, s)
+    return _tiny_loss(_tiny_back(m, _tiny_front(m, x)), y)
+
+  return unpipelined.train(loss, params, optimizer, windows)
+
+
+def _pipelined_tiny(optimizer, windows, **kw):
+  staged = sp.models.cut(_Tiny(nnx.Rngs(0)), [_tiny_front, _tiny_back],
+                         jax.ShapeDtypeStruct((2, 4), jnp.int32))
+  schedule = sp.schedules.make("1f1b", num_stages=2, num_microbatches=2,
+                               num_minibatches=1)
+  pipe = executor.Pipeline(staged.stage_fns, _tiny_loss, schedule, optimizer,
+                           jax.make_mesh((1, 2), ("data", "stage")), **kw)
+  state = pipe.init(staged.stage_params)
+  for x, y in windows:
+    state, _ = pipe.step(state, x, y)
+  model = sp.models.merge(_Tiny(nnx.Rngs(0)), pipe.params(state))
+  return pipe, nnx.to_pure_dict(nnx.state(model, nnx.Param))
+
+
+@pytest.mark.parametrize("name", [
+    "multi_transform", "adamw_mask_global_norm",
+    pytest.param("adamw_mask", marks=pytest.mark.slow),
+    pytest.param("masked", marks=pytest.mark.slow),
+    pytest.param("nnx_filter", marks=pytest.mark.slow)])
+def test_path_masks_and_labels_mean_what_they_mean_unpipelined(name):
+  windows = list(_tiny_windows())
+  pipe, got = _pipelined_tiny(_TREE_OPTIMIZERS[name](), windows)
+  assert pipe.optimizer_scope == ("model" if "global_norm" in name
+                                  else "stage")
+  want = _unpipelined_tiny(_TREE_OPTIMIZERS[name](), windows)
+  _close(got, want, 1e-5)
+  initial = nnx.to_pure_dict(nnx.state(_Tiny(nnx.Rngs(0)), nnx.Param))
+  if name in ("multi_transform", "nnx_filter"):  # frozen: bit for bit
+    np.testing.assert_array_equal(got["embed"]["embedding"],
+                                  initial["embed"]["embedding"])
+
+
+def test_a_label_tree_of_the_whole_module_fits_the_model_scope_only():
+  """Labels given as a tree (not a function) fit the tree they were made
+  for: with optimizer_scope="model" the rule steps on the module's whole
+  tree and equals the unpipelined loop; per stage it is refused in one
+  line."""
+  initial = nnx.to_pure_dict(nnx.state(_Tiny(nnx.Rngs(0)), nnx.Param))
+  labels = _FROZEN_EMBED(initial)
+  windows = list(_tiny_windows())
+  with pytest.raises(ValueError, match="fails on stage 0's parameters.*"
+                     "functions of the parameters"):
+    _pipelined_tiny(_freeze(labels), windows, optimizer_scope="stage")
+  _, got = _pipelined_tiny(_freeze(labels), windows, optimizer_scope="model")
+  _close(got, _unpipelined_tiny(_freeze(labels), windows), 1e-5)

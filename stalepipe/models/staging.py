@@ -116,10 +116,34 @@ def _refuse_state(module: nnx.Module) -> None:
           "per stage) and RNG state")
 
 
+def _names(tree) -> dict:
+  """`{"path.to.leaf": leaf}` of a nested dict."""
+  return {_path_name(path): leaf for path, leaf in
+          jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
 def _flat(state) -> dict:
   """`{"path.to.leaf": array}` of an nnx.State."""
-  return {_path_name(path): leaf for path, leaf in
-          jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(state))[0]}
+  return _names(nnx.to_pure_dict(state))
+
+
+def _paths(state) -> dict:
+  """`{"path.to.leaf": (keys, ...)}` of an nnx.State."""
+  return {_path_name(path): tuple(getattr(k, "key", k) for k in path)
+          for path, _ in jax.tree_util.tree_flatten_with_path(
+              nnx.to_pure_dict(state))[0]}
+
+
+def _nested(paths: dict, leaves: dict) -> dict:
+  """The module's nested dict holding only `leaves` (`{name: leaf}`), at
+  their `paths`: a stage's part of `nnx.to_pure_dict(state)`."""
+  tree = {}
+  for name, leaf in leaves.items():
+    node = tree
+    for k in paths[name][:-1]:
+      node = node.setdefault(k, {})
+    node[paths[name][-1]] = leaf
+  return tree
 
 
 def _filled(state, flat: dict, given: dict):
@@ -179,10 +203,13 @@ def cut(module: nnx.Module, stages: Sequence[Callable], example) -> Staged:
     example: stage 0's input (arrays or `jax.ShapeDtypeStruct`s).
 
   Returns:
-    The stages: `stage_params[s]` a flat dict `{"path.to.param": array}` of
-    the parameters stage s reads, `stage_states[s]` that of its statistics
-    (None for a stage without); `merge(module, stage_params, stage_states)`
-    writes them back.
+    The stages: `stage_params[s]` the parameters stage s reads, as the part
+    of the module's own nested dict `nnx.to_pure_dict(nnx.state(module,
+    nnx.Param))` that holds them (`{"blocks": {0: {"attn": ...}}}`), so an
+    optax mask or label function sees the paths it sees in unpipelined
+    training; `stage_states[s]` that of its statistics (None for a stage
+    without); `merge(module, stage_params, stage_states)` writes them
+    back.
 
   Raises:
     ValueError: in one line, for a parameter no stage reads (it would be
@@ -197,14 +224,15 @@ def cut(module: nnx.Module, stages: Sequence[Callable], example) -> Staged:
     ...     self.b = nnx.Linear(4, 2, rngs=nnx.Rngs(1))
     >>> staged = cut(Two(), [lambda m, x: m.a(x), lambda m, x: m.b(x)],
     ...              jax.ShapeDtypeStruct((3, 4), "float32"))
-    >>> [sorted(p) for p in staged.stage_params]
-    [['a.bias', 'a.kernel'], ['b.bias', 'b.kernel']]
+    >>> [{k: sorted(v) for k, v in p.items()} for p in staged.stage_params]
+    [{'a': ['bias', 'kernel']}, {'b': ['bias', 'kernel']}]
   """
   _refuse_state(module)
   graphdef, params, stats, rest = nnx.split(module, nnx.Param, nnx.BatchStat,
                                             ...)
   flat, flat_stats = _flat(params), _flat(stats)
   names, stat_names = list(flat), list(flat_stats)
+  paths = {**_paths(params), **_paths(stats)}
 
   def rebuild(given: dict, given_stats: dict):
     """The module with `given` parameters and statistics."""
@@ -235,7 +263,7 @@ def cut(module: nnx.Module, stages: Sequence[Callable], example) -> Staged:
            "statistic")
     x = jax.eval_shape(read, *args)[0]
     x = x.value if isinstance(x, stage_lib.Output) else x
-    fns.append(_module_stage(stage, rebuild, owned_stats[-1]))
+    fns.append(_module_stage(stage, rebuild, owned_stats[-1], paths))
   lost = [n for n in names if not any(n in o for o in owned)]
   if lost:
     raise ValueError(f"parameters {lost} are read by no stage and would be "
@@ -243,27 +271,29 @@ def cut(module: nnx.Module, stages: Sequence[Callable], example) -> Staged:
                      "parameter")
   return Staged(
       stage_fns=tuple(fns),
-      stage_params=tuple({n: flat[n] for n in o} for o in owned),
+      stage_params=tuple(_nested(paths, {n: flat[n] for n in o})
+                         for o in owned),
       boundaries=tuple(range(len(stages))),
-      stage_states=(tuple({n: flat_stats[n] for n in o} if o else None
-                          for o in owned_stats)
+      stage_states=(tuple(_nested(paths, {n: flat_stats[n] for n in o})
+                          if o else None for o in owned_stats)
                     if any(owned_stats) else None))
 
 
-def _module_stage(stage: Callable, rebuild: Callable,
-                  stats: Sequence[str]) -> Callable:
-  """`stage(model, x, ...)` as a function of its own flat parameters,
-  declaring the `key` and `train` arguments `stage` declares, and `state`
-  (its statistics, returned updated in `stage.Output`) where it has any."""
+def _module_stage(stage: Callable, rebuild: Callable, stats: Sequence[str],
+                  paths: dict) -> Callable:
+  """`stage(model, x, ...)` as a function of its own parameters (the
+  module's nested dict of them), declaring the `key` and `train` arguments
+  `stage` declares, and `state` (its statistics, returned updated in
+  `stage.Output`) where it has any."""
   def fn(p, x, **kwargs):
     state = kwargs.pop("state", {})
-    model = rebuild(p, state)
+    model = rebuild(_names(p), _names(state))
     out = stage(model, x, **kwargs)
     if not stats:
       return out
     new = _flat(nnx.state(model, nnx.BatchStat))
     out = out if isinstance(out, stage_lib.Output) else stage_lib.Output(out)
-    return out._replace(state={n: new[n] for n in stats})
+    return out._replace(state=_nested(paths, {n: new[n] for n in stats}))
 
   positional = inspect.Parameter.POSITIONAL_OR_KEYWORD
   asked = set(stage_lib.wants(stage)) | ({"state"} if stats else set())
@@ -276,12 +306,13 @@ def _module_stage(stage: Callable, rebuild: Callable,
 
 def _write_back(module: nnx.Module, kind, stage_trees: Sequence,
                 what: str) -> None:
-  """Writes flat stage dicts of `kind` variables into `module`."""
+  """Writes stage trees (`cut`'s nested dicts) of `kind` variables into
+  `module`."""
   state = nnx.state(module, kind)
   flat = _flat(state)
   given = {}
   for p in stage_trees:
-    given.update(p or {})
+    given.update(_names(p or {}))
   missing = [n for n in flat if n not in given]
   if missing or len(given) != len(flat):
     raise ValueError(f"stage {what} do not cover the module's (missing "
@@ -295,7 +326,7 @@ def _write_back(module: nnx.Module, kind, stage_trees: Sequence,
 
 def merge(module: nnx.Module, stage_params: Sequence[dict],
           stage_states: Sequence[dict | None] | None = None) -> nnx.Module:
-  """Writes a pipeline's trained stage parameters (`cut`'s flat dicts, e.g.
+  """Writes a pipeline's trained stage parameters (`cut`'s nested dicts, e.g.
   `pipe.params(state)`) and, where given, the stages' statistics
   (`pipe.stage_states(state)`) back into `module` (`nnx.update`), for
   evaluation, export or a checkpoint in the user's own format; returns it.
@@ -303,7 +334,7 @@ def merge(module: nnx.Module, stage_params: Sequence[dict],
   _write_back(module, nnx.Param, stage_params, "params")
   if stage_states is not None:
     flat = _flat(nnx.state(module, nnx.BatchStat))
-    given = {n: v for t in stage_states for n, v in (t or {}).items()}
+    given = {n: v for t in stage_states for n, v in _names(t or {}).items()}
     _write_back(module, nnx.BatchStat,
                 [{**{n: v for n, v in flat.items() if n not in given},
                   **given}], "states")

@@ -312,8 +312,8 @@ class Pipeline:
                   stages: tuple[int, ...] | None = None) -> None:
     """Minibatch p's update of `stages` on every replica, the sync policy's
     functions around it (under `jax.vmap` over the replicas). With `stages`
-    None (optimizer_scope "model") the update rule steps once on the tuple
-    of all stages' trees; else on stage `stages[0]`'s tree alone."""
+    None (optimizer_scope "model") the update rule steps once on the whole
+    model's tree (`scope.join`); else on stage `stages[0]`'s tree alone."""
     D, stream = self.num_replicas, w.stream
     whole = stages is None
     stages = tuple(range(len(self.stage_fns))) if whole else stages
@@ -326,7 +326,7 @@ class Pipeline:
     current = {(d, s): w.versions[(d, s)][-1] for d in range(D) for s in stages}
     new = {}
     for d in range(D):
-      tree = lambda f: (tuple(f(s) for s in stages) if whole  # pylint: disable=unnecessary-lambda-assignment,cell-var-from-loop
+      tree = lambda f: (scope_lib.join(f(s) for s in stages) if whole  # pylint: disable=unnecessary-lambda-assignment,cell-var-from-loop
                         else f(stages[0]))
       kwargs = contract.extra_args(
           self.optimizer, self._stale_schedule,
@@ -339,6 +339,8 @@ class Pipeline:
           tree(lambda s: g[(d, s)]), w.opt_states[(d, stages[0])],  # pylint: disable=cell-var-from-loop
           tree(lambda s: current[(d, s)]), **kwargs)  # pylint: disable=cell-var-from-loop
       applied = optax.apply_updates(tree(lambda s: current[(d, s)]), upd)  # pylint: disable=cell-var-from-loop
+      if whole:
+        applied = scope_lib.parts(applied, [current[(d, s)] for s in stages])
       for i, s in enumerate(stages):
         w.opt_states[(d, s)] = opt_state
         new[(d, s)] = applied[i] if whole else applied

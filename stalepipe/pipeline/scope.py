@@ -10,8 +10,9 @@ means the whole model, so the executors never run it per stage unasked:
 
 - `optimizer_scope="model"`: at each minibatch's update every stage applies
   it at one tick (`Schedule.together`), after the last stage's gradient of
-  it is finished; the update rule runs on the tuple of all stages' trees
-  (the gradient, weights and optimizer state gathered across 'stage') and
+  it is finished; the update rule runs on the whole model's tree (`join`:
+  a cut module's own nested dict, else the tuple of the stages' trees; the
+  gradient, weights and optimizer state gathered across 'stage') and
   equals unpipelined training. Schedules where a stage reads a minibatch's
   update before another stage has finished its gradient (asynchronous
   PipeDream) cannot, and are refused.
@@ -35,11 +36,11 @@ _SEEN = {}  # id(optimizer) -> (optimizer, whether it couples stages)
 
 
 def _stand_in(seed: int):
-  """Two small stage trees of random values."""
+  """Two small stage trees of random values, parts of one module's tree."""
   rng = np.random.default_rng(seed)
-  return tuple({"a": rng.normal(size=(3,)).astype(np.float32),
-                "b": rng.normal(size=(2, 2)).astype(np.float32) + s}
-               for s in range(2))
+  return tuple({f"stage{s}": {
+      "a": rng.normal(size=(3,)).astype(np.float32),
+      "b": rng.normal(size=(2, 2)).astype(np.float32) + s}} for s in range(2))
 
 
 def _updates(optimizer, params, grads, stale) -> list:
@@ -70,7 +71,8 @@ def couples_stages(optimizer) -> bool:
            for scale in _SCALES]
 
   def together_and_apart(grads):
-    return [(_updates(optimizer, params, g, stale),
+    return [([parts(u, params) for u in _updates(
+        optimizer, join(params), [join(step) for step in g], join(stale))],
              [_updates(optimizer, params[s], [step[s] for step in g],
                        stale[s]) for s in range(2)]) for g in grads]
 
@@ -107,7 +109,7 @@ def resolve(scope: str, optimizer, schedule) -> str:
                      f"{', '.join(SCOPES)}")
   if scope == "stage":
     return scope
-  couples = couples_stages(optimizer)
+  couples = scope == "auto" and couples_stages(optimizer)
   if scope == "auto" and not couples:
     return "stage"
   why = ("the optimizer reduces over the whole model (e.g. a global norm)"
@@ -144,9 +146,70 @@ def _check_one_staleness(schedule) -> None:
       raise ValueError(f"minibatch {p}'s stages differ in staleness {seen}")
 
 
+def _joinable(stage_trees) -> bool:
+  """Whether the stage trees are nested dicts with disjoint leaf paths
+  (`models.cut`'s: parts of one module's tree)."""
+  if not all(isinstance(t, dict) for t in stage_trees):
+    return False
+  paths = [jax.tree_util.keystr(p) for t in stage_trees
+           for p, _ in jax.tree_util.tree_flatten_with_path(t)[0]]
+  return len(paths) == len(set(paths))
+
+
+def _merge(a: dict, b: dict) -> dict:
+  out = dict(a)
+  for k, v in b.items():
+    out[k] = _merge(out[k], v) if k in out else v
+  return out
+
+
+def join(stage_trees):
+  """The whole model's tree the update rule steps on: stage trees that are
+  parts of one nested dict (`models.cut`'s) joined back into it, so a mask
+  or label function sees the module's own paths; other stage trees (e.g.
+  `models.split`'s tuples) as their tuple."""
+  stage_trees = tuple(stage_trees)
+  if not _joinable(stage_trees):
+    return stage_trees
+  tree = {}
+  for t in stage_trees:
+    tree = _merge(tree, t)
+  return tree
+
+
+def parts(tree, stage_trees) -> tuple:
+  """`join`'s inverse: `tree`, shaped like `join(stage_trees)`, as one tree
+  per stage shaped like `stage_trees`."""
+  stage_trees = tuple(stage_trees)
+  if not _joinable(stage_trees):
+    return tuple(tree)
+
+  def like(t, shape):
+    return {k: like(t[k], v) for k, v in shape.items()} if isinstance(
+        shape, dict) else t
+
+  return tuple(like(tree, t) for t in stage_trees)
+
+
 def init_states(optimizer, scope: str, stage_params) -> list:
   """Per stage, the optimizer state it holds: its own tree's, or (scope
-  "model") a copy of the whole model's (the tuple of stage trees)."""
-  if scope == "model":
-    return [optimizer.init(tuple(stage_params))] * len(stage_params)
-  return [optimizer.init(p) for p in stage_params]
+  "model") a copy of the whole model's (`join` of the stage trees).
+
+  Raises:
+    ValueError: in one line, where the optimizer cannot initialise on the
+      tree it steps on (a mask or labels given as a tree that fits another).
+  """
+  trees = ([join(stage_params)] if scope == "model"
+           else list(stage_params))
+  states = []
+  for s, tree in enumerate(trees):
+    try:
+      states.append(optimizer.init(tree))
+    except (ValueError, TypeError, KeyError) as e:
+      where = "the whole model's" if scope == "model" else f"stage {s}'s"
+      raise ValueError(
+          f"the optimizer fails on {where} parameters ({type(e).__name__}: "
+          f"{str(e).splitlines()[0] if str(e) else ''}); valid: masks and "
+          "labels as functions of the parameters (optax takes a callable), "
+          "or optimizer_scope='model' (the whole module's tree)") from e
+  return states * len(stage_params) if scope == "model" else states
