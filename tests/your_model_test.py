@@ -289,10 +289,10 @@ def _unpipelined_tiny(optimizer, windows):
   return unpipelined.train(loss, params, optimizer, windows)
 
 
-def _pipelined_tiny(optimizer, windows, **kw):
+def _pipelined_tiny(optimizer, windows, schedule="1f1b", **kw):
   staged = sp.models.cut(_Tiny(nnx.Rngs(0)), [_tiny_front, _tiny_back],
                          jax.ShapeDtypeStruct((2, 4), jnp.int32))
-  schedule = sp.schedules.make("1f1b", num_stages=2, num_microbatches=2,
+  schedule = sp.schedules.make(schedule, num_stages=2, num_microbatches=2,
                                num_minibatches=1)
   pipe = executor.Pipeline(staged.stage_fns, _tiny_loss, schedule, optimizer,
                            jax.make_mesh((1, 2), ("data", "stage")), **kw)
@@ -334,3 +334,58 @@ def test_a_label_tree_of_the_whole_module_fits_the_model_scope_only():
     _pipelined_tiny(_freeze(labels), windows, optimizer_scope="stage")
   _, got = _pipelined_tiny(_freeze(labels), windows, optimizer_scope="model")
   _close(got, _unpipelined_tiny(_freeze(labels), windows), 1e-5)
+
+
+def test_a_flush_schedule_takes_a_new_sequence_length_between_steps():
+  """1F1B at L = 4, then L = 8: recompiled for the new shapes, equal to the
+  unpipelined loop; an asynchronous schedule, whose earlier windows' work
+  is in flight, refuses it in one line naming the shape it was built for."""
+  windows = [next(_tiny_windows(L=4)), next(_tiny_windows(L=8))]
+  _, got = _pipelined_tiny(optax.sgd(0.5), windows)
+  _close(got, _unpipelined_tiny(optax.sgd(0.5), windows), 1e-5)
+  with pytest.raises(ValueError, match=r"inputs shape \(1, 2, 2, 8\) is not "
+                     r"the shape \(1, 2, 2, 4\) this run was built for"):
+    _pipelined_tiny(optax.sgd(0.5), windows, schedule="pipedream")
+
+
+def test_a_loss_that_is_not_a_scalar_is_refused_in_one_line():
+  staged = sp.models.cut(_Tiny(nnx.Rngs(0)), [_tiny_front, _tiny_back],
+                         jax.ShapeDtypeStruct((2, 4), jnp.int32))
+  schedule = sp.schedules.make("1f1b", num_stages=2, num_microbatches=2,
+                               num_minibatches=1)
+  per_token = optax.softmax_cross_entropy_with_integer_labels  # no .mean()
+  x, y = next(_tiny_windows())
+  pipe = executor.Pipeline(staged.stage_fns, per_token, schedule,
+                           optax.sgd(0.1), jax.make_mesh((1, 2),
+                                                         ("data", "stage")))
+  ref = reference.Pipeline(staged.stage_fns, per_token, schedule,
+                           optax.sgd(0.1))
+  match = r"loss function returned shape \(2, 4\); valid: a scalar"
+  for run in (lambda: pipe.step(pipe.init(staged.stage_params), x, y),
+              lambda: pipe.evaluate(pipe.init(staged.stage_params), x, y),
+              lambda: ref.step(ref.init(staged.stage_params), x, y)):
+    with pytest.raises(ValueError, match=match):
+      run()
+
+
+def test_evaluate_keeps_each_output_dtype():
+  """A bool leaf of the last stage's output comes back bool from
+  `evaluate` (not the int32 of a sum over 'stage')."""
+  def front(m, ids):
+    return {"h": _tiny_front(m, ids), "keep": ids > 3}
+
+  def back(m, x):
+    return _tiny_back(m, x["h"]), x["keep"]
+
+  staged = sp.models.cut(_Tiny(nnx.Rngs(0)), [front, back],
+                         jax.ShapeDtypeStruct((2, 4), jnp.int32))
+  schedule = sp.schedules.make("1f1b", num_stages=2, num_microbatches=2,
+                               num_minibatches=1)
+  pipe = executor.Pipeline(staged.stage_fns,
+                           lambda y, t: _tiny_loss(y[0], t), schedule,
+                           optax.sgd(0.1), jax.make_mesh((1, 2),
+                                                         ("data", "stage")))
+  x, y = next(_tiny_windows())
+  logits, keep = pipe.evaluate(pipe.init(staged.stage_params), x, y)["outputs"]
+  assert keep.dtype == jnp.bool_ and logits.dtype == jnp.float32
+  np.testing.assert_array_equal(keep, x > 3)

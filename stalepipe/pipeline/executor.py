@@ -264,7 +264,7 @@ class Pipeline:
         schedule, ring_groups=self.placement.stages.T)
     self._stale_schedule = contract.schedule_is_stale(schedule)
     self._param_packing = self._opt_packing = self._state_packing = None
-    self._steps = {}
+    self._steps, self._contexts = {}, {}
     self._tables = self._static_plan = None
 
   @property
@@ -433,6 +433,10 @@ class Pipeline:
     contract.refuse_drained(state.drained is not None)
     self._check_window(inputs, targets)
     inputs, targets = self.place(inputs), self.place(targets)
+    if state.buffers is not None and self._buffer_shapes(
+        inputs, targets) != jax.tree.map(np.shape, state.buffers):
+      self._refuse_new_shapes(state, inputs, targets)
+      state = state._replace(buffers=None)  # nothing in flight: new shapes
     if state.buffers is None:
       state = self._allocate(state, inputs, targets)
     if self._tables is None:
@@ -440,9 +444,30 @@ class Pipeline:
                                   self.program.tables)
     return state, inputs, targets, self._tables, self._sync_plan(state)
 
-  def _step_fn(self, inputs, targets) -> Callable:
-    key = jax.tree.structure((inputs, targets)), tuple(
+  def _refuse_new_shapes(self, state: PipelineState, inputs, targets):
+    """Refuses a window shaped unlike the windows whose work is in flight
+    (an asynchronous schedule's activations and kept inputs)."""
+    if self.program.history == 0 or state.history is None:
+      return
+    B = self.schedule.num_minibatches
+    for name, kept, now in (("inputs", state.history.inputs, inputs),
+                            ("targets", state.history.targets, targets)):
+      for k, n in zip(jax.tree.leaves(kept), jax.tree.leaves(now)):
+        if k.shape[1:] != n.shape[1:] or k.dtype != n.dtype:
+          raise ValueError(
+              f"{name} shape {n.shape} is not the shape {(B,) + k.shape[1:]} "
+              f"this run was built for; valid: {(B,) + k.shape[1:]} (schedule "
+              f"{self.schedule.name!r} carries work of earlier windows in "
+              "flight; a flush schedule takes new shapes between steps)")
+    raise ValueError("inputs and targets need activation buffers unlike the "
+                     "state's; valid: the shapes of the earlier windows")
+
+  def _shape_key(self, inputs, targets) -> tuple:
+    return jax.tree.structure((inputs, targets)), tuple(
         (v.shape, v.dtype) for v in jax.tree.leaves((inputs, targets)))
+
+  def _step_fn(self, inputs, targets) -> Callable:
+    key = self._shape_key(inputs, targets)
     if key not in self._steps:
       self._steps[key] = self._build_step(inputs, targets)
     return self._steps[key]
@@ -524,8 +549,7 @@ class Pipeline:
     """
     self._check_window(inputs, targets)
     inputs, targets = self.place(inputs), self.place(targets)
-    key = ("evaluate", jax.tree.structure((inputs, targets))) + tuple(
-        (v.shape, v.dtype) for v in jax.tree.leaves((inputs, targets)))
+    key = ("evaluate",) + self._shape_key(inputs, targets)
     if key not in self._steps:
       self._steps[key] = self._build_evaluate(inputs, targets)
     metrics, outputs = self._steps[key](state, inputs, targets)
@@ -654,29 +678,43 @@ class Pipeline:
     return split, tuple(functools.partial(split_lib.forward, stage)
                         for stage in split.stages)
 
-  def _allocate(self, state, inputs, targets) -> PipelineState:
-    """Zero activation buffers and input history, on first use."""
-    ctx = self._stages(inputs, targets)
+  def _context(self, inputs, targets) -> tick_lib.Stages:
+    """`_stages` for windows of this shape, computed once."""
+    key = self._shape_key(inputs, targets)
+    if key not in self._contexts:
+      self._contexts[key] = self._stages(inputs, targets)
+    return self._contexts[key]
+
+  def _buffer_shapes(self, inputs, targets) -> tuple[Buffers, ...]:
+    """Each slot's activation buffers' shapes (dtype -> shape) for windows
+    of this shape."""
+    ctx = self._context(inputs, targets)
     D, P, C = (self.num_replicas, self.placement.num_devices,
                self.program.num_slots)
-    rows = lambda lengths: {k: self._put(  # pylint: disable=unnecessary-lambda-assignment
-        np.zeros((D, P, C + 1, n), k), _PER_DEVICE)  # + scratch
-                            for k, n in lengths.items()}
+    rows = lambda lengths: {k: (D, P, C + 1, n)  # pylint: disable=unnecessary-lambda-assignment
+                            for k, n in lengths.items()}  # + scratch
     kept = lambda layout: {} if layout is None else rows(layout.packing.lengths)  # pylint: disable=unnecessary-lambda-assignment
+    return tuple(Buffers(rows(ctx.boundaries.acts.lengths),
+                         rows(ctx.boundaries.cots.lengths),
+                         kept(ctx.residuals), kept(ctx.split))
+                 for _ in range(self.placement.num_slots))
+
+  def _allocate(self, state, inputs, targets) -> PipelineState:
+    """Zero activation buffers and input history, on first use."""
     H, B = self.program.history, self.schedule.num_minibatches
     past = lambda tree: None if H == 0 else jax.tree.map(  # pylint: disable=unnecessary-lambda-assignment
         lambda x: self._put(np.zeros((H * B,) + x.shape[1:], x.dtype),
                             _WINDOW), tree)
     return state._replace(
-        buffers=tuple(Buffers(rows(ctx.boundaries.acts.lengths),
-                              rows(ctx.boundaries.cots.lengths),
-                              kept(ctx.residuals), kept(ctx.split))
-                      for _ in range(self.placement.num_slots)),
+        buffers=tuple(Buffers(*[
+            {k: self._put(np.zeros(shape, k), _PER_DEVICE)
+             for k, shape in field.items()} for field in slot])
+                      for slot in self._buffer_shapes(inputs, targets)),
         history=InputHistory(past(inputs), past(targets)))
 
   def _build_step(self, inputs, targets) -> Callable:
     """The jitted window step for windows shaped like these."""
-    ctx = self._stages(inputs, targets)
+    ctx = self._context(inputs, targets)
 
     @functools.partial(jax.jit, donate_argnums=(0,))
     def step_fn(state, inputs, targets, tables, plan):

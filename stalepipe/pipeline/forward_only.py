@@ -134,5 +134,8 @@ def run(ctx: Forward, state: PipelineState, inputs, targets):
                                            jnp.arange(N + S - 1))
   loss, metrics = jax.tree.map(
       lambda v: jax.lax.pmean(jax.lax.psum(v, STAGE), DATA) / N, loss_sum)
-  outputs = jax.tree.map(lambda o: jax.lax.psum(o, STAGE), outputs)
+  # The last stage's outputs to every stage (the others hold zeros), each
+  # leaf in its own dtype (a psum of bools would give int32).
+  outputs = jax.tree.map(lambda o: jax.lax.psum(o, STAGE).astype(o.dtype),
+                         outputs)
   return {"loss": loss, **metrics}, outputs

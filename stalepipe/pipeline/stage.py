@@ -163,6 +163,10 @@ def bind_loss(loss_fn: Callable) -> Callable:
     own = None
     if isinstance(value, tuple):
       value, own = value
+    if jnp.shape(value):
+      raise ValueError(f"the loss function returned shape {jnp.shape(value)}; "
+                       "valid: a scalar, the mean over the micro-batch (e.g. "
+                       "`.mean()`)")
     return value + aux, _merge_metrics(metrics, own, "the loss function")
 
   return objective
