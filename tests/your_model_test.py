@@ -389,3 +389,72 @@ def test_evaluate_keeps_each_output_dtype():
   logits, keep = pipe.evaluate(pipe.init(staged.stage_params), x, y)["outputs"]
   assert keep.dtype == jnp.bool_ and logits.dtype == jnp.float32
   np.testing.assert_array_equal(keep, x > 3)
+
+
+class _Dropped(nnx.Module):
+  """A module with NNX's own dropout, its RNG stream stored in the module."""
+
+  def __init__(self, rngs: nnx.Rngs):
+    self.a = nnx.Linear(8, 8, rngs=rngs)
+    self.drop = nnx.Dropout(0.5, rngs=rngs)
+    self.b = nnx.Linear(8, 4, rngs=rngs)
+
+
+def _dropped_front(m, x, *, train):
+  return m.drop(jnp.tanh(m.a(x)), deterministic=not train)
+
+
+def test_nnx_dropout_draws_from_the_stage_key_as_the_oracle():
+  """`nnx.Dropout(rate, rngs=rngs)` called as written: the cut stage takes a
+  key and the module's RNG stream draws from it, so its masks follow the
+  documented per-(minibatch, micro-batch, stage, replica) key; the
+  executor (two replicas, PipeDream) equals the oracle."""
+  model = _Dropped(nnx.Rngs(0, dropout=1))
+  staged = sp.models.cut(model, [_dropped_front, lambda m, h: m.b(h)],
+                         jax.ShapeDtypeStruct((2, 8), jnp.float32))
+  front = staged.stage_fns[0]
+  assert sp.pipeline.stage.wants(front) == {"key", "train"}
+  x = jnp.ones((4, 8))
+  run = lambda seed, train=True: front(  # pylint: disable=unnecessary-lambda-assignment
+      staged.stage_params[0], x, key=jax.random.key(seed), train=train)
+  np.testing.assert_array_equal(run(1), run(1))
+  assert np.any((run(1) == 0) != (run(2) == 0))  # another key, other masks
+  assert 0 < np.mean(run(1) == 0) < 1
+  np.testing.assert_array_equal(run(1, train=False), jnp.tanh(model.a(x)))
+
+  S, M, B, D = 2, 2, 2, 2
+  schedule = sp.schedules.make("pipedream", num_stages=S, num_microbatches=M,
+                               num_minibatches=B)
+  pipe = executor.Pipeline(staged.stage_fns, sp.models.losses.cross_entropy,
+                           schedule, optax.sgd(0.5),
+                           jax.make_mesh((D, S), ("data", "stage")), seed=5)
+  ref = reference.Pipeline(staged.stage_fns, sp.models.losses.cross_entropy,
+                           schedule, optax.sgd(0.5), num_replicas=D, seed=5)
+  state, rstate = pipe.init(staged.stage_params), ref.init(staged.stage_params)
+  rng = np.random.default_rng(0)
+  for _ in range(2):
+    x = rng.normal(size=(B, M, 2 * D, 8)).astype(np.float32)
+    y = rng.integers(0, 4, size=(B, M, 2 * D)).astype(np.int32)
+    state, _ = pipe.step(state, x, y)
+    rstate, _ = ref.step(rstate, x, y)
+  _close(pipe.params(state), ref.params(rstate), 2e-6)
+  before = jax.tree.leaves(staged.stage_params)
+  assert any(np.abs(a - b).max() > 1e-3 for a, b in zip(
+      jax.tree.leaves(pipe.params(state)), before))
+
+
+def test_a_python_int_across_a_boundary_is_named_when_it_fails_there():
+  """A Python int returned beside the hidden state and used as a slice
+  bound by the next stage arrives traced; `cut` names the leaf and says
+  that constants belong in the stage function."""
+  def front(m, ids):
+    return {"h": _tiny_front(m, ids), "length": 3}
+
+  def back(m, x):
+    return _tiny_back(m, x["h"][:, :x["length"]])
+
+  with pytest.raises(ValueError, match=r"stage 0 passes Python scalars at "
+                     r"\['length'\] to stage 1, where they arrive "
+                     "traced.*constants .* in the stage function"):
+    sp.models.cut(_Tiny(nnx.Rngs(0)), [front, back],
+                  jax.ShapeDtypeStruct((2, 4), jnp.int32))

@@ -13,6 +13,7 @@ from typing import Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from stalepipe.pipeline import split_backward
@@ -158,10 +159,12 @@ def _filled(state, flat: dict, given: dict):
   return full
 
 
-def _owned(jaxpr, num_params: int, num_stats: int) -> tuple[list, list]:
-  """From the jaxpr of `(param leaves, stat leaves, x) -> (y, new stats)`:
-  which parameters it reads, and which statistics it reads or writes (a
-  statistic passed through unchanged is neither)."""
+def _owned(jaxpr, num_params: int, num_stats: int) -> tuple[list, list,
+                                                             bool]:
+  """From the jaxpr of `(param leaves, stat leaves, x, key) -> (y, new
+  stats)`: which parameters it reads, which statistics it reads or writes
+  (a statistic passed through unchanged is neither), and whether it reads
+  the key."""
   stat_in = jaxpr.invars[num_params:num_params + num_stats]
   stat_out = jaxpr.outvars[len(jaxpr.outvars) - num_stats:]
   written = [o is not i for i, o in zip(stat_in, stat_out)]
@@ -170,7 +173,25 @@ def _owned(jaxpr, num_params: int, num_stats: int) -> tuple[list, list]:
   read = split_backward.read_inputs(jaxpr.replace(outvars=kept))
   return (read[:num_params],
           [r or w for r, w in zip(read[num_params:num_params + num_stats],
-                                  written)])
+                                  written)], read[-1])
+
+
+def _keyed(keys, counts, key: jax.Array):
+  r"""The module's RNG streams (`nnx.Rngs`, an `nnx.Dropout`'s) drawn from
+  a stage's `key`: stream i's key :math:`\mathrm{fold}(key, i)`, in the
+  module's path order, its count 0 (fresh Variables of this trace)."""
+  leaves, treedef = jax.tree.flatten(keys)
+  keys = jax.tree.unflatten(treedef, [
+      jax.random.fold_in(key, i) for i in range(len(leaves))])
+  return keys, jax.tree.map(jnp.zeros_like, counts)
+
+
+def _python_scalars(y) -> list[str]:
+  """The leaves of a stage's output that are Python (or NumPy) scalars."""
+  y = y.value if isinstance(y, stage_lib.Output) else y
+  return [jax.tree_util.keystr(path) or "the output" for path, leaf in
+          jax.tree_util.tree_flatten_with_path(y)[0]
+          if isinstance(leaf, (bool, int, float, complex, np.generic))]
 
 
 def _claim(owned: list, mine: list, s: int, what: str) -> None:
@@ -228,42 +249,58 @@ def cut(module: nnx.Module, stages: Sequence[Callable], example) -> Staged:
     [{'a': ['bias', 'kernel']}, {'b': ['bias', 'kernel']}]
   """
   _refuse_state(module)
-  graphdef, params, stats, rest = nnx.split(module, nnx.Param, nnx.BatchStat,
-                                            ...)
+  graphdef, params, stats, keys, counts, rest = nnx.split(
+      module, nnx.Param, nnx.BatchStat, nnx.RngKey, nnx.RngCount, ...)
   flat, flat_stats = _flat(params), _flat(stats)
   names, stat_names = list(flat), list(flat_stats)
   paths = {**_paths(params), **_paths(stats)}
 
-  def rebuild(given: dict, given_stats: dict):
-    """The module with `given` parameters and statistics."""
+  def rebuild(given: dict, given_stats: dict, key: jax.Array):
+    """The module with `given` parameters and statistics, its RNG streams
+    drawn from `key`."""
     return nnx.merge(graphdef, _filled(params, flat, given),
-                     _filled(stats, flat_stats, given_stats), rest)
+                     _filled(stats, flat_stats, given_stats),
+                     *_keyed(keys, counts, key), rest)
 
-  fns, owned, owned_stats, x = [], [], [], example
+  fns, owned, owned_stats, x, constants = [], [], [], example, []
   for s, stage in enumerate(stages):
-    asked = stage_lib.wants(stage)
+    asked, out = stage_lib.wants(stage), {}
 
-    def read(values, stat_values, x, stage=stage, asked=asked):
-      kwargs = {}
-      if "key" in asked:
-        kwargs["key"] = jax.random.key(0)
+    def read(values, stat_values, x, key_data, stage=stage, asked=asked,
+             out=out):
+      key = jax.random.wrap_key_data(key_data)
+      kwargs = {"key": key} if "key" in asked else {}
       if "train" in asked:
         kwargs["train"] = True
       model = rebuild(dict(zip(names, values)),
-                      dict(zip(stat_names, stat_values)))
-      y = stage(model, x, **kwargs)
+                      dict(zip(stat_names, stat_values)), key)
+      y = out["y"] = stage(model, x, **kwargs)
       new = _flat(nnx.state(model, nnx.BatchStat))
       return y, [new[n] for n in stat_names]
 
-    args = ([flat[n] for n in names], [flat_stats[n] for n in stat_names], x)
-    jaxpr = jax.make_jaxpr(read)(*args)
-    used, used_stats = _owned(jaxpr.jaxpr, len(names), len(stat_names))
+    args = ([flat[n] for n in names], [flat_stats[n] for n in stat_names], x,
+            stage_lib.key_struct())
+    try:
+      jaxpr = jax.make_jaxpr(read)(*args)
+    except Exception as e:  # pylint: disable=broad-except
+      if not constants:
+        raise
+      raise ValueError(
+          f"stage {s - 1} passes Python scalars at {', '.join(constants)} "
+          f"to stage {s}, "
+          "where they arrive traced, as arrays (every boundary value is), "
+          f"and fail ({type(e).__name__}); valid: constants (a slice bound, "
+          "a length) in the stage function that uses them, arrays across "
+          "the boundary") from e
+    constants = _python_scalars(out["y"])
+    used, used_stats, draws = _owned(jaxpr.jaxpr, len(names),
+                                     len(stat_names))
     _claim(owned, [n for n, u in zip(names, used) if u], s, "parameter")
     _claim(owned_stats, [n for n, u in zip(stat_names, used_stats) if u], s,
            "statistic")
     x = jax.eval_shape(read, *args)[0]
     x = x.value if isinstance(x, stage_lib.Output) else x
-    fns.append(_module_stage(stage, rebuild, owned_stats[-1], paths))
+    fns.append(_module_stage(stage, rebuild, owned_stats[-1], paths, draws))
   lost = [n for n in names if not any(n in o for o in owned)]
   if lost:
     raise ValueError(f"parameters {lost} are read by no stage and would be "
@@ -280,14 +317,20 @@ def cut(module: nnx.Module, stages: Sequence[Callable], example) -> Staged:
 
 
 def _module_stage(stage: Callable, rebuild: Callable, stats: Sequence[str],
-                  paths: dict) -> Callable:
+                  paths: dict, draws: bool) -> Callable:
   """`stage(model, x, ...)` as a function of its own parameters (the
   module's nested dict of them), declaring the `key` and `train` arguments
-  `stage` declares, and `state` (its statistics, returned updated in
-  `stage.Output`) where it has any."""
+  `stage` declares, `key` also where it draws from the module's RNG
+  streams (`draws`: an `nnx.Dropout`; they are drawn from the key), and
+  `state` (its statistics, returned updated in `stage.Output`) where it has
+  any."""
+  own = stage_lib.wants(stage)
+
   def fn(p, x, **kwargs):
     state = kwargs.pop("state", {})
-    model = rebuild(_names(p), _names(state))
+    key = kwargs["key"] if "key" in own else kwargs.pop(
+        "key", jax.random.key(0))
+    model = rebuild(_names(p), _names(state), key)
     out = stage(model, x, **kwargs)
     if not stats:
       return out
@@ -296,7 +339,8 @@ def _module_stage(stage: Callable, rebuild: Callable, stats: Sequence[str],
     return out._replace(state=_nested(paths, {n: new[n] for n in stats}))
 
   positional = inspect.Parameter.POSITIONAL_OR_KEYWORD
-  asked = set(stage_lib.wants(stage)) | ({"state"} if stats else set())
+  asked = set(own) | ({"state"} if stats else set()) | (
+      {"key"} if draws else set())
   fn.__signature__ = inspect.Signature(
       [inspect.Parameter("p", positional), inspect.Parameter("x", positional)]
       + [inspect.Parameter(a, inspect.Parameter.KEYWORD_ONLY)
