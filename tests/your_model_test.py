@@ -31,7 +31,7 @@ def _full_dc():
                      optax.sgd(0.5))
 
 
-def _train(name, optimizer, remat="recompute", **kw):
+def _train(name, optimizer, remat="recompute", evaluate=False, **kw):
   model, staged = EXAMPLE["build"](S)
   schedule = sp.schedules.make(name, num_stages=S, num_microbatches=M,
                                num_minibatches=B)
@@ -49,6 +49,10 @@ def _train(name, optimizer, remat="recompute", **kw):
     if rmetrics["num_losses"]:
       for k in ("loss", "accuracy"):
         np.testing.assert_allclose(metrics[k], rmetrics[k], atol=ATOL)
+  if evaluate:  # the stages' latest weights and statistics, forward only
+    got, want = pipe.evaluate(state, *data[0]), ref.evaluate(rstate, *data[0])
+    for k in ("loss", "accuracy", "outputs"):
+      _close(got[k], want[k], ATOL)
   return model, staged, (pipe.params(state), pipe.stage_states(state)), (
       ref.params(rstate), ref.stage_states(rstate)), data
 
@@ -119,7 +123,9 @@ def test_asynchronous_schedule_with_global_norm_is_refused():
 
 @pytest.mark.slow
 def test_asynchronous_schedule_equals_oracle_per_stage():
-  _, _, got, want, _ = _train("pipedream", optax.sgd(0.5))
+  """Weights, statistics and a forward-only `evaluate` of the trained state
+  equal the oracle's."""
+  _, _, got, want, _ = _train("pipedream", optax.sgd(0.5), evaluate=True)
   _close(got, want, ATOL)
 
 
@@ -368,9 +374,10 @@ def test_a_loss_that_is_not_a_scalar_is_refused_in_one_line():
       run()
 
 
-def test_evaluate_keeps_each_output_dtype():
+def test_evaluate_keeps_each_output_dtype_and_equals_the_oracles():
   """A bool leaf of the last stage's output comes back bool from
-  `evaluate` (not the int32 of a sum over 'stage')."""
+  `evaluate` (not the int32 of a sum over 'stage'); the oracle's
+  `evaluate` gives the same loss and outputs (two replicas)."""
   def front(m, ids):
     return {"h": _tiny_front(m, ids), "keep": ids > 3}
 
@@ -381,14 +388,20 @@ def test_evaluate_keeps_each_output_dtype():
                          jax.ShapeDtypeStruct((2, 4), jnp.int32))
   schedule = sp.schedules.make("1f1b", num_stages=2, num_microbatches=2,
                                num_minibatches=1)
-  pipe = executor.Pipeline(staged.stage_fns,
-                           lambda y, t: _tiny_loss(y[0], t), schedule,
-                           optax.sgd(0.1), jax.make_mesh((1, 2),
-                                                         ("data", "stage")))
-  x, y = next(_tiny_windows())
-  logits, keep = pipe.evaluate(pipe.init(staged.stage_params), x, y)["outputs"]
+  loss = lambda y, t: _tiny_loss(y[0], t)  # pylint: disable=unnecessary-lambda-assignment
+  pipe = executor.Pipeline(staged.stage_fns, loss, schedule, optax.sgd(0.1),
+                           jax.make_mesh((2, 2), ("data", "stage")))
+  ref = reference.Pipeline(staged.stage_fns, loss, schedule, optax.sgd(0.1),
+                           num_replicas=2)
+  x, y = next(_tiny_windows(n=4))
+  got = pipe.evaluate(pipe.init(staged.stage_params), x, y)
+  want = ref.evaluate(ref.init(staged.stage_params), x, y)
+  logits, keep = got["outputs"]
   assert keep.dtype == jnp.bool_ and logits.dtype == jnp.float32
   np.testing.assert_array_equal(keep, x > 3)
+  np.testing.assert_array_equal(want["outputs"][1], x > 3)
+  np.testing.assert_allclose(logits, want["outputs"][0], atol=1e-6)
+  np.testing.assert_allclose(got["loss"], want["loss"], rtol=1e-6)
 
 
 class _Dropped(nnx.Module):

@@ -570,7 +570,7 @@ class Pipeline:
       stage_inputs.append(out)
     target = jax.tree.map(micro, targets)
     objective = jax.eval_shape(
-        lambda y, t: forward_only.objective(self.loss_fn, y, t),
+        lambda y, t: stage_lib.evaluation_objective(self.loss_fn, y, t),
         stage_inputs[-1], target)
     ctx = forward_only.Forward(
         fns=fns, loss_fn=self.loss_fn, params=self._param_packing,

@@ -157,16 +157,57 @@ class Pipeline:
     return tuple(state.states.get((replica, s))
                  for s in range(len(self.stage_fns)))
 
-  def step(self, state: ReferenceState, inputs, targets):
-    """Runs window k: the ticks from the stage-0 forward of minibatch kB up to
-    that of minibatch (k+1)B, in the schedule over an endless stream."""
-    contract.refuse_drained(state.drained)
+  def _check_window(self, inputs, targets) -> None:
     B, M = self.schedule.num_minibatches, self.schedule.num_microbatches
-    D, k = self.num_replicas, state.window
+    D = self.num_replicas
     for shape in [np.shape(v) for v in jax.tree.leaves((inputs, targets))]:
       if len(shape) < 3 or shape[:2] != (B, M) or shape[2] % D:
         raise ValueError(f"inputs shape {shape} is invalid; valid: "
                          f"[{B}, {M}, a multiple of {D} data replicas, ...]")
+
+  def evaluate(self, state: ReferenceState, inputs, targets) -> dict:
+    """Forward only, as the executor's `evaluate`: every micro-batch of the
+    window through every replica's latest weights (and states) with
+    `train=False`, its key that of window minibatch p (0..B-1); nothing
+    changes.
+
+    Returns:
+      `loss` (the mean of `loss_fn`, no auxiliary terms), the mean of every
+      metric, over the micro-batches and replicas, and `outputs`, the last
+      stage's outputs `[B, M, D * b, ...]`.
+    """
+    self._check_window(inputs, targets)
+    B, M, D = (self.schedule.num_minibatches, self.schedule.num_microbatches,
+               self.num_replicas)
+    n = np.shape(jax.tree.leaves(inputs)[0])[2] // D
+    fns = [stage_lib.bind(f, train=False, first=s == 0)
+           for s, f in enumerate(self.stage_fns)]
+    objectives, outputs = [], []
+    for p in range(B):
+      for m in range(M):
+        for d in range(D):
+          part = lambda tree: jax.tree.map(  # pylint: disable=unnecessary-lambda-assignment,cell-var-from-loop
+              lambda v: jnp.asarray(v[p, m, d * n:(d + 1) * n]), tree)  # pylint: disable=cell-var-from-loop
+          y = part(inputs)
+          for s, fn in enumerate(fns):
+            y = fn(state.versions[(d, s)][-1], stage_lib.with_extras(
+                y, self._wants[s], self.seed, p, m, s, d,
+                state.states.get((d, s))))
+          objectives.append(stage_lib.evaluation_objective(
+              self.loss_fn, y, part(targets)))
+          outputs.append(y[0])
+    loss, metrics = jax.tree.map(lambda *v: jnp.mean(jnp.stack(v)),
+                                 *objectives)
+    return {"loss": loss, **metrics, "outputs": jax.tree.map(
+        lambda *v: jnp.concatenate(v).reshape((B, M, D * n) + v[0].shape[1:]),
+        *outputs)}
+
+  def step(self, state: ReferenceState, inputs, targets):
+    """Runs window k: the ticks from the stage-0 forward of minibatch kB up to
+    that of minibatch (k+1)B, in the schedule over an endless stream."""
+    contract.refuse_drained(state.drained)
+    self._check_window(inputs, targets)
+    B, D, k = self.schedule.num_minibatches, self.num_replicas, state.window
     stream = self.schedule.with_minibatches((k + 2) * B)
     w = self._scratch(state, stream, np.shape(jax.tree.leaves(inputs)[0])[2]
                       // D)

@@ -172,6 +172,14 @@ def bind_loss(loss_fn: Callable) -> Callable:
   return objective
 
 
+def evaluation_objective(loss_fn: Callable, out, target):
+  """What `evaluate` reports for a micro-batch: the loss of the last bound
+  stage's output without auxiliary terms, and the stages' and the loss
+  function's metrics, `(loss, metrics)`."""
+  y, (_, metrics) = out
+  return bind_loss(loss_fn)((y, (0.0, metrics)), target)
+
+
 def takes_extras(asked: frozenset) -> bool:
   """Whether a stage asking `asked` takes `(x, extras)` when bound."""
   return bool(asked & set(EXTRAS))
