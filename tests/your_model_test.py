@@ -471,3 +471,30 @@ def test_a_python_int_across_a_boundary_is_named_when_it_fails_there():
                      "traced.*constants .* in the stage function"):
     sp.models.cut(_Tiny(nnx.Rngs(0)), [front, back],
                   jax.ShapeDtypeStruct((2, 4), jnp.int32))
+
+
+def test_merge_keeps_the_modules_sharding():
+  """A module whose kernel `nnx.with_partitioning` shards over a 'model'
+  axis gets the pipeline's weights back in that sharding."""
+  class Sharded(nnx.Module):
+    def __init__(self, rngs):
+      self.a = nnx.Linear(8, 8, rngs=rngs, kernel_init=nnx.with_partitioning(
+          nnx.initializers.lecun_normal(), (None, "model")))
+      self.b = nnx.Linear(8, 4, rngs=rngs)
+
+  with jax.set_mesh(jax.make_mesh((1, 4), ("data", "model"))):
+    model = Sharded(nnx.Rngs(0))
+  sharding = model.a.kernel[...].sharding
+  assert sharding.spec == jax.sharding.PartitionSpec(None, "model")
+  staged = sp.models.cut(model, [lambda m, x: m.a(x), lambda m, x: m.b(x)],
+                         jax.ShapeDtypeStruct((2, 8), jnp.float32))
+  schedule = sp.schedules.make("1f1b", num_stages=2, num_microbatches=2)
+  pipe = executor.Pipeline(staged.stage_fns, sp.models.losses.cross_entropy,
+                           schedule, optax.sgd(0.1),
+                           jax.make_mesh((1, 2), ("data", "stage")))
+  trained = jax.tree.map(lambda v: v * 2,
+                         pipe.params(pipe.init(staged.stage_params)))
+  sp.models.merge(model, trained)
+  assert model.a.kernel[...].sharding == sharding
+  np.testing.assert_array_equal(model.a.kernel[...],
+                                trained[0]["a"]["kernel"])

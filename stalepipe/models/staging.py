@@ -362,8 +362,11 @@ def _write_back(module: nnx.Module, kind, stage_trees: Sequence,
     raise ValueError(f"stage {what} do not cover the module's (missing "
                      f"{missing[:3]}, {len(given)} given for {len(flat)}); "
                      f"valid: the stage_{what} of cut(module)")
+  # Each value where the module's is (its sharding: `nnx.with_partitioning`).
+  placed = [jax.device_put(given[n], flat[n].sharding)
+            if isinstance(flat[n], jax.Array) else given[n] for n in flat]
   pure = jax.tree.unflatten(jax.tree.structure(nnx.to_pure_dict(state)),
-                            [given[n] for n in flat])
+                            placed)
   nnx.replace_by_pure_dict(state, pure)
   nnx.update(module, state)
 
@@ -374,7 +377,8 @@ def merge(module: nnx.Module, stage_params: Sequence[dict],
   `pipe.params(state)`) and, where given, the stages' statistics
   (`pipe.stage_states(state)`) back into `module` (`nnx.update`), for
   evaluation, export or a checkpoint in the user's own format; returns it.
-  Statistics no stage holds keep their values."""
+  Each value lands where the module's was (its sharding, e.g. from
+  `nnx.with_partitioning`). Statistics no stage holds keep their values."""
   _write_back(module, nnx.Param, stage_params, "params")
   if stage_states is not None:
     flat = _flat(nnx.state(module, nnx.BatchStat))

@@ -330,6 +330,10 @@ class Pipeline:
       raise ValueError(f"{len(stage_params)} stage parameter trees do not fit "
                        f"{len(self.stage_fns)} stages; valid: "
                        f"{len(self.stage_fns)}")
+    # On the host first: a module's arrays may carry their own sharding
+    # (`nnx.with_partitioning` over another mesh), which packing must not see.
+    stage_params, stage_states = jax.device_get((tuple(stage_params),
+                                                 stage_states))
     states = stage_lib.initial_states(self._wants, stage_states)
     self._state_packing = (None if states is None
                            else packing.Packing(states))
