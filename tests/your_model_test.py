@@ -310,7 +310,8 @@ def _pipelined_tiny(optimizer, windows, schedule="1f1b", **kw):
 
 
 @pytest.mark.parametrize("name", [
-    "multi_transform", "adamw_mask_global_norm",
+    "multi_transform",
+    pytest.param("adamw_mask_global_norm", marks=pytest.mark.slow),
     pytest.param("adamw_mask", marks=pytest.mark.slow),
     pytest.param("masked", marks=pytest.mark.slow),
     pytest.param("nnx_filter", marks=pytest.mark.slow)])
@@ -342,6 +343,7 @@ def test_a_label_tree_of_the_whole_module_fits_the_model_scope_only():
   _close(got, _unpipelined_tiny(_freeze(labels), windows), 1e-5)
 
 
+@pytest.mark.slow
 def test_a_flush_schedule_takes_a_new_sequence_length_between_steps():
   """1F1B at L = 4, then L = 8: recompiled for the new shapes, equal to the
   unpipelined loop; an asynchronous schedule, whose earlier windows' work
@@ -417,14 +419,17 @@ def _dropped_front(m, x, *, train):
   return m.drop(jnp.tanh(m.a(x)), deterministic=not train)
 
 
-def test_nnx_dropout_draws_from_the_stage_key_as_the_oracle():
+def _cut_dropped():
+  model = _Dropped(nnx.Rngs(0, dropout=1))
+  return model, sp.models.cut(model, [_dropped_front, lambda m, h: m.b(h)],
+                              jax.ShapeDtypeStruct((2, 8), jnp.float32))
+
+
+def test_nnx_dropout_draws_from_the_stage_key():
   """`nnx.Dropout(rate, rngs=rngs)` called as written: the cut stage takes a
   key and the module's RNG stream draws from it, so its masks follow the
-  documented per-(minibatch, micro-batch, stage, replica) key; the
-  executor (two replicas, PipeDream) equals the oracle."""
-  model = _Dropped(nnx.Rngs(0, dropout=1))
-  staged = sp.models.cut(model, [_dropped_front, lambda m, h: m.b(h)],
-                         jax.ShapeDtypeStruct((2, 8), jnp.float32))
+  documented per-(minibatch, micro-batch, stage, replica) key."""
+  model, staged = _cut_dropped()
   front = staged.stage_fns[0]
   assert sp.pipeline.stage.wants(front) == {"key", "train"}
   x = jnp.ones((4, 8))
@@ -435,6 +440,12 @@ def test_nnx_dropout_draws_from_the_stage_key_as_the_oracle():
   assert 0 < np.mean(run(1) == 0) < 1
   np.testing.assert_array_equal(run(1, train=False), jnp.tanh(model.a(x)))
 
+
+@pytest.mark.slow
+def test_nnx_dropout_in_the_executor_equals_the_oracle():
+  """The cut module with NNX's dropout on PipeDream over two replicas: the
+  executor equals the oracle (the same key per task)."""
+  _, staged = _cut_dropped()
   S, M, B, D = 2, 2, 2, 2
   schedule = sp.schedules.make("pipedream", num_stages=S, num_microbatches=M,
                                num_minibatches=B)
@@ -498,3 +509,72 @@ def test_merge_keeps_the_modules_sharding():
   assert model.a.kernel[...].sharding == sharding
   np.testing.assert_array_equal(model.a.kernel[...],
                                 trained[0]["a"]["kernel"])
+
+
+class _TiedLM(nnx.Module):
+  """The head is the embedding's transpose (`attend`), as in GPT-2."""
+
+  def __init__(self, rngs: nnx.Rngs):
+    self.embed = nnx.Embed(16, 8, rngs=rngs)
+    self.mlp = nnx.Linear(8, 8, rngs=rngs)
+    self.norm = nnx.RMSNorm(8, rngs=rngs)
+
+
+def _tied_front(m, ids):
+  return m.mlp(m.embed(ids))
+
+
+def _tied_back(m, h):
+  return m.embed.attend(m.norm(jax.nn.silu(h)))
+
+
+@pytest.mark.slow
+def test_a_head_tied_to_the_embedding_trains_as_one_parameter():
+  """cut(..., tied=) gives the first and last stage each a copy of the
+  embedding; the pipeline sums their gradients and applies one update on
+  both (Megatron's embedding group), so 1F1B with Adam equals the
+  unpipelined loop on the tied module, the copies stay bit-identical, and
+  the oracle agrees. Per stage, or on a schedule that cannot update every
+  stage at once, it is refused in one line."""
+  example = jax.ShapeDtypeStruct((2, 4), jnp.int32)
+  with pytest.raises(ValueError, match="'embed.embedding' is read by stages 0 "
+                     "and 1; valid: .*tied="):
+    sp.models.cut(_TiedLM(nnx.Rngs(0)), [_tied_front, _tied_back], example)
+  staged = sp.models.cut(_TiedLM(nnx.Rngs(0)), [_tied_front, _tied_back],
+                         example, tied=("embed.embedding",))
+  assert all("embed" in p for p in staged.stage_params)
+  schedule = sp.schedules.make("1f1b", num_stages=2, num_microbatches=2,
+                               num_minibatches=1)
+  mesh = jax.make_mesh((1, 2), ("data", "stage"))
+  for scope, name in (("stage", "1f1b"), ("auto", "pipedream")):
+    with pytest.raises(ValueError, match=r"\['embed.embedding'\] are tied"):
+      executor.Pipeline(staged.stage_fns, _tiny_loss, sp.schedules.make(
+          name, num_stages=2, num_microbatches=2), optax.adam(0.05), mesh,
+                        optimizer_scope=scope, tied=staged.tied)
+  pipe = executor.Pipeline(staged.stage_fns, _tiny_loss, schedule,
+                           optax.adam(0.05), mesh, tied=staged.tied)
+  ref = reference.Pipeline(staged.stage_fns, _tiny_loss, schedule,
+                           optax.adam(0.05), tied=staged.tied)
+  assert pipe.optimizer_scope == "model"
+  windows = list(_tiny_windows())
+  state, rstate = pipe.init(staged.stage_params), ref.init(staged.stage_params)
+  for x, y in windows:
+    state, _ = pipe.step(state, x, y)
+    rstate, _ = ref.step(rstate, x, y)
+  got = pipe.params(state)
+  np.testing.assert_array_equal(got[0]["embed"]["embedding"],
+                                got[1]["embed"]["embedding"])
+  _close(got, ref.params(rstate), 1e-6)
+
+  graphdef, params = nnx.split(_TiedLM(nnx.Rngs(0)))
+
+  def loss(pure, x, y):
+    s = jax.tree.map(lambda v: v, params)
+    nnx.replace_by_pure_dict(s, pure)
+    m = nnx.merge(graphdef, s)
+    return _tiny_loss(_tied_back(m, _tied_front(m, x)), y)
+
+  want = unpipelined.train(loss, nnx.to_pure_dict(params), optax.adam(0.05),
+                           windows)
+  merged = sp.models.merge(_TiedLM(nnx.Rngs(0)), got)
+  _close(nnx.to_pure_dict(nnx.state(merged, nnx.Param)), want, 1e-5)

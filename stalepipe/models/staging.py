@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from stalepipe.pipeline import scope as scope_lib
 from stalepipe.pipeline import split_backward
 from stalepipe.pipeline import stage as stage_lib
 
@@ -30,6 +31,8 @@ class Staged(NamedTuple):
   boundaries: tuple[int, ...]  # index of the first block of each stage
   stage_states: tuple | None = None  # `cut`: per stage its statistics (None
   #   for a stage without); None where no stage has any
+  tied: tuple[str, ...] = ()  # `cut`: parameters several stages hold, for
+  #   `Pipeline(..., tied=)`
 
 
 def even_boundaries(num_blocks: int, num_stages: int) -> tuple[int, ...]:
@@ -100,10 +103,6 @@ def unpipelined(staged: Staged) -> StageFn:
   return _compose(staged.stage_fns)
 
 
-def _path_name(path) -> str:
-  return ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
-
-
 def _refuse_state(module: nnx.Module) -> None:
   """Refuses state other than parameters, BatchNorm-style statistics and
   RNG state (a decoding cache, sown intermediates): no executor carries
@@ -119,7 +118,7 @@ def _refuse_state(module: nnx.Module) -> None:
 
 def _names(tree) -> dict:
   """`{"path.to.leaf": leaf}` of a nested dict."""
-  return {_path_name(path): leaf for path, leaf in
+  return {scope_lib.leaf_name(path): leaf for path, leaf in
           jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
@@ -130,7 +129,7 @@ def _flat(state) -> dict:
 
 def _paths(state) -> dict:
   """`{"path.to.leaf": (keys, ...)}` of an nnx.State."""
-  return {_path_name(path): tuple(getattr(k, "key", k) for k in path)
+  return {scope_lib.leaf_name(path): tuple(getattr(k, "key", k) for k in path)
           for path, _ in jax.tree_util.tree_flatten_with_path(
               nnx.to_pure_dict(state))[0]}
 
@@ -194,16 +193,20 @@ def _python_scalars(y) -> list[str]:
           if isinstance(leaf, (bool, int, float, complex, np.generic))]
 
 
-def _claim(owned: list, mine: list, s: int, what: str) -> None:
+def _claim(owned: list, mine: list, s: int, what: str,
+           tied=frozenset()) -> None:
   for n in mine:
     other = next((t for t, o in enumerate(owned) if n in o), None)
-    if other is not None:
-      raise ValueError(f"{what} {n!r} is read by stages {other} and {s}; "
-                       f"valid: each {what} in one stage (untie shared ones)")
+    if other is not None and n not in tied:
+      raise ValueError(
+          f"{what} {n!r} is read by stages {other} and {s}; valid: each "
+          f"{what} in one stage" + (" or, tied, named in cut(..., tied=)"
+                                    if what == "parameter" else ""))
   owned.append(mine)
 
 
-def cut(module: nnx.Module, stages: Sequence[Callable], example) -> Staged:
+def cut(module: nnx.Module, stages: Sequence[Callable], example,
+        tied: Sequence[str] = ()) -> Staged:
   """Cuts an NNX module into stages, each a function of the module.
 
   `stages[s](model, x, **kw) -> y` runs stage s's part of the module (glue
@@ -222,6 +225,10 @@ def cut(module: nnx.Module, stages: Sequence[Callable], example) -> Staged:
       RNG state.
     stages: S functions `(model, x, ...) -> y`.
     example: stage 0's input (arrays or `jax.ShapeDtypeStruct`s).
+    tied: names of parameters several stages read (a head tied to the
+      embedding: `("embed.embedding",)`); each such stage holds a copy, and
+      `Pipeline(..., tied=staged.tied)` sums their gradients and applies
+      one update on every copy, as Megatron's embedding group does.
 
   Returns:
     The stages: `stage_params[s]` the parameters stage s reads, as the part
@@ -234,8 +241,8 @@ def cut(module: nnx.Module, stages: Sequence[Callable], example) -> Staged:
 
   Raises:
     ValueError: in one line, for a parameter no stage reads (it would be
-      lost), a parameter or statistic read by two stages (tied), or state
-      no executor carries.
+      lost), a parameter read by two stages and not named in `tied` or a
+      statistic read by two, or state no executor carries.
 
   Examples:
     >>> from flax import nnx
@@ -254,6 +261,10 @@ def cut(module: nnx.Module, stages: Sequence[Callable], example) -> Staged:
   flat, flat_stats = _flat(params), _flat(stats)
   names, stat_names = list(flat), list(flat_stats)
   paths = {**_paths(params), **_paths(stats)}
+  unknown = [n for n in tied if n not in flat]
+  if unknown:
+    raise ValueError(f"tied {unknown} are not parameters of the module; "
+                     f"valid: names such as {names[:3]}")
 
   def rebuild(given: dict, given_stats: dict, key: jax.Array):
     """The module with `given` parameters and statistics, its RNG streams
@@ -295,7 +306,8 @@ def cut(module: nnx.Module, stages: Sequence[Callable], example) -> Staged:
     constants = _python_scalars(out["y"])
     used, used_stats, draws = _owned(jaxpr.jaxpr, len(names),
                                      len(stat_names))
-    _claim(owned, [n for n, u in zip(names, used) if u], s, "parameter")
+    _claim(owned, [n for n, u in zip(names, used) if u], s, "parameter",
+           frozenset(tied))
     _claim(owned_stats, [n for n, u in zip(stat_names, used_stats) if u], s,
            "statistic")
     x = jax.eval_shape(read, *args)[0]
@@ -313,7 +325,8 @@ def cut(module: nnx.Module, stages: Sequence[Callable], example) -> Staged:
       boundaries=tuple(range(len(stages))),
       stage_states=(tuple(_nested(paths, {n: flat_stats[n] for n in o})
                           if o else None for o in owned_stats)
-                    if any(owned_stats) else None))
+                    if any(owned_stats) else None),
+      tied=tuple(tied))
 
 
 def _module_stage(stage: Callable, rebuild: Callable, stats: Sequence[str],

@@ -217,6 +217,10 @@ class Pipeline:
       (`placement.names()`): "consecutive" (default; device d the d-th run
       of S/P stages), "loop" (stage s on device s mod P) or "v" (S = 2P;
       device r holds stages r and 2P-1-r).
+    tied: names of parameters several stages hold (`models.cut(...,
+      tied=)`: a head tied to the embedding); their gradients are summed
+      over those stages and one update applied on every copy
+      (`scope.join`), with optimizer_scope "model" (or "auto").
 
   Examples:
     >>> import jax, optax, stalepipe as sp
@@ -235,7 +239,8 @@ class Pipeline:
                mesh: Mesh, sync: sync_lib.SyncPolicy | None = None,
                lowering: str = "nested_switch", remat: str = "recompute",
                layout: str = "packed", optimizer_scope: str = "auto",
-               seed: int = 0, placement: str = "consecutive"):
+               seed: int = 0, placement: str = "consecutive",
+               tied: Sequence[str] = ()):
     if tuple(mesh.axis_names) != (DATA, STAGE):
       raise ValueError(f"mesh axes {tuple(mesh.axis_names)} are invalid; "
                        f"valid: ({DATA!r}, {STAGE!r})")
@@ -244,8 +249,9 @@ class Pipeline:
     sync = sync or sync_lib.bsp(mesh.shape[DATA])
     contract.check(stage_fns, schedule, optimizer, sync, mesh.shape[DATA])
     residuals_lib.check(remat, schedule, optimizer)
+    self.tied = frozenset(tied)
     self.optimizer_scope = scope_lib.resolve(optimizer_scope, optimizer,
-                                             schedule)
+                                             schedule, self.tied)
     if self.optimizer_scope == "model":
       schedule = schedule.together()
     self.remat = remat
@@ -338,7 +344,7 @@ class Pipeline:
     self._state_packing = (None if states is None
                            else packing.Packing(states))
     opt_states = scope_lib.init_states(self.optimizer, self.optimizer_scope,
-                                       stage_params)
+                                       stage_params, self.tied)
     self._param_packing = self.layout(stage_params)
     self._opt_packing = self.layout(opt_states)
     params = self._param_packing.pack_all(stage_params)
@@ -654,7 +660,7 @@ class Pipeline:
         wants=self._wants, seed=self.seed,
         whole_model=self.optimizer_scope == "model",
         states=self._state_packing, objective=objective,
-        placement=self.placement)
+        placement=self.placement, tied=self.tied)
 
   def _bound_input(self, s: int, x):
     """Stage s's input `x` (shapes) as its bound function takes it

@@ -89,16 +89,19 @@ class Pipeline:
     optimizer_scope: "model", "stage" or "auto", as the executor's
       (`scope.py`).
     seed: whence the PRNG key of each task, as the executor's (`stage.py`).
+    tied: parameters several stages hold, as the executor's.
   """
 
   def __init__(self, stage_fns: Sequence[Callable], loss_fn: Callable,
                schedule: Schedule, optimizer: optax.GradientTransformation,
                num_replicas: int = 1, sync: sync_lib.SyncPolicy | None = None,
-               optimizer_scope: str = "auto", seed: int = 0):
+               optimizer_scope: str = "auto", seed: int = 0,
+               tied: Sequence[str] = ()):
     sync = sync or sync_lib.bsp(num_replicas)
     contract.check(stage_fns, schedule, optimizer, sync, num_replicas)
+    self.tied = frozenset(tied)
     self.optimizer_scope = scope_lib.resolve(optimizer_scope, optimizer,
-                                             schedule)
+                                             schedule, self.tied)
     if self.optimizer_scope == "model":
       schedule = schedule.together()
     self.stage_fns = tuple(stage_fns)
@@ -128,7 +131,7 @@ class Pipeline:
     D = self.num_replicas
     states = stage_lib.initial_states(self._wants, stage_states) or ()
     opt_states = scope_lib.init_states(self.optimizer, self.optimizer_scope,
-                                       stage_params)
+                                       stage_params, self.tied)
     return ReferenceState(
         versions={(d, s): (p,) for d in range(D)
                   for s, p in enumerate(stage_params)},
@@ -367,21 +370,24 @@ class Pipeline:
     current = {(d, s): w.versions[(d, s)][-1] for d in range(D) for s in stages}
     new = {}
     for d in range(D):
-      tree = lambda f: (scope_lib.join(f(s) for s in stages) if whole  # pylint: disable=unnecessary-lambda-assignment,cell-var-from-loop
-                        else f(stages[0]))
+      # The whole model's tree: a tied leaf's gradients summed over its
+      # stages, its weights (the same on each) taken once.
+      tree = lambda f, add=False: (scope_lib.join(  # pylint: disable=unnecessary-lambda-assignment,cell-var-from-loop
+          [f(s) for s in stages], self.tied, add) if whole else f(stages[0]))  # pylint: disable=cell-var-from-loop
       kwargs = contract.extra_args(
           self.optimizer, self._stale_schedule,
           stale_params=tree(lambda s: w.versions[(d, s)][  # pylint: disable=cell-var-from-loop
               stream.gradient_version(s, p)]),
           staleness=(stream.update_version(stages[0], p)
                      - stream.forward_version(stages[0], p)),
-          local_updates=tree(lambda s: own[(d, s)]))  # pylint: disable=cell-var-from-loop
+          local_updates=tree(lambda s: own[(d, s)], add=True))  # pylint: disable=cell-var-from-loop
       upd, opt_state = self.optimizer.update(
-          tree(lambda s: g[(d, s)]), w.opt_states[(d, stages[0])],  # pylint: disable=cell-var-from-loop
+          tree(lambda s: g[(d, s)], add=True), w.opt_states[(d, stages[0])],  # pylint: disable=cell-var-from-loop
           tree(lambda s: current[(d, s)]), **kwargs)  # pylint: disable=cell-var-from-loop
       applied = optax.apply_updates(tree(lambda s: current[(d, s)]), upd)  # pylint: disable=cell-var-from-loop
       if whole:
-        applied = scope_lib.parts(applied, [current[(d, s)] for s in stages])
+        applied = scope_lib.parts(applied, [current[(d, s)] for s in stages],
+                                  self.tied)
       for i, s in enumerate(stages):
         w.opt_states[(d, s)] = opt_state
         new[(d, s)] = applied[i] if whole else applied

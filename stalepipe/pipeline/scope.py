@@ -96,24 +96,31 @@ def couples_stages(optimizer) -> bool:
   return couples
 
 
-def resolve(scope: str, optimizer, schedule) -> str:
-  """"model" or "stage": what `scope` means for this optimizer and schedule.
+def resolve(scope: str, optimizer, schedule, tied=()) -> str:
+  """"model" or "stage": what `scope` means for this optimizer and schedule
+  (and `tied` parameters: they need "model", one update on every copy).
 
   Raises:
     ValueError: in one line, for an unknown scope, a whole-model rule the
-      schedule cannot apply at once on every stage, or a whole-model rule
-      that predicts weights.
+      schedule cannot apply at once on every stage, a whole-model rule that
+      predicts weights, or tied parameters per stage.
   """
   if scope not in SCOPES:
     raise ValueError(f"optimizer_scope={scope!r} is invalid; valid: "
                      f"{', '.join(SCOPES)}")
+  if tied and scope == "stage":
+    raise ValueError(f"parameters {sorted(tied)} are tied across stages, but "
+                     "optimizer_scope='stage' would update each copy on its "
+                     "own; valid: optimizer_scope='model' or 'auto' (their "
+                     "gradients summed, one update applied on every copy)")
   if scope == "stage":
     return scope
-  couples = scope == "auto" and couples_stages(optimizer)
-  if scope == "auto" and not couples:
+  couples = scope == "auto" and not tied and couples_stages(optimizer)
+  if scope == "auto" and not couples and not tied:
     return "stage"
   why = ("the optimizer reduces over the whole model (e.g. a global norm)"
-         if couples else "optimizer_scope='model' was asked for")
+         if couples else f"parameters {sorted(tied)} are tied across stages"
+         if tied else "optimizer_scope='model' was asked for")
   if contract.predicts(optimizer):
     raise ValueError(f"{why}, but a whole-model update with weight "
                      "prediction is not supported; valid: "
@@ -127,9 +134,9 @@ def resolve(scope: str, optimizer, schedule) -> str:
         f"{why}, but schedule {schedule.name!r} cannot apply a minibatch's "
         "update on every stage at once (a stage reads or accumulates before "
         "another stage's gradient of it is finished); valid: a flush "
-        "schedule (gpipe, 1f1b, zb-h1, zb-h2, timeprest, zb-async), or "
-        "optimizer_scope='stage' to run the rule on each stage's own tree"
-    ) from e
+        "schedule (gpipe, 1f1b, zb-h1, zb-h2, timeprest, zb-async)" + (
+            "" if tied else ", or optimizer_scope='stage' to run the rule on "
+            "each stage's own tree")) from e
   return "model"
 
 
@@ -146,42 +153,85 @@ def _check_one_staleness(schedule) -> None:
       raise ValueError(f"minibatch {p}'s stages differ in staleness {seen}")
 
 
-def _joinable(stage_trees) -> bool:
-  """Whether the stage trees are nested dicts with disjoint leaf paths
-  (`models.cut`'s: parts of one module's tree)."""
+def leaf_name(path) -> str:
+  """A leaf's dotted name from its key path: `"blocks.0.attn.kernel"`."""
+  return ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+
+
+def _names(tree) -> list[str]:
+  return [leaf_name(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+
+
+def _joinable(stage_trees, tied) -> bool:
+  """Whether the stage trees are nested dicts whose leaves, the `tied` ones
+  aside, are disjoint (`models.cut`'s: parts of one module's tree)."""
   if not all(isinstance(t, dict) for t in stage_trees):
     return False
-  paths = [jax.tree_util.keystr(p) for t in stage_trees
-           for p, _ in jax.tree_util.tree_flatten_with_path(t)[0]]
-  return len(paths) == len(set(paths))
+  names = [n for t in stage_trees for n in _names(t) if n not in tied]
+  return len(names) == len(set(names))
 
 
-def _merge(a: dict, b: dict) -> dict:
+def check_tied(stage_trees, tied) -> None:
+  """Refuses `tied` names that are not leaves of two or more of `cut`'s
+  stage trees.
+
+  Raises:
+    ValueError: in one line, naming the leaf.
+  """
+  if not tied:
+    return
+  if not _joinable(stage_trees, frozenset(tied)):
+    raise ValueError("tied parameters need stage trees that are parts of one "
+                     "module's nested dict; valid: sp.models.cut(..., tied=) "
+                     "and its stage_params")
+  for name in tied:
+    holders = [s for s, t in enumerate(stage_trees) if name in _names(t)]
+    if len(holders) < 2:
+      raise ValueError(f"tied parameter {name!r} is held by stages {holders}; "
+                       "valid: a parameter two or more stages hold")
+
+
+def _merge(a: dict, b: dict, add: bool) -> dict:
   out = dict(a)
   for k, v in b.items():
-    out[k] = _merge(out[k], v) if k in out else v
+    if k not in out:
+      out[k] = v
+    elif isinstance(v, dict):
+      out[k] = _merge(out[k], v, add)
+    elif add:  # a tied leaf: the sum of its stages' gradients
+      out[k] = out[k] + v
   return out
 
 
-def join(stage_trees):
-  """The whole model's tree the update rule steps on: stage trees that are
+def join(stage_trees, tied=frozenset(), add: bool = False):
+  r"""The whole model's tree the update rule steps on: stage trees that are
   parts of one nested dict (`models.cut`'s) joined back into it, so a mask
   or label function sees the module's own paths; other stage trees (e.g.
-  `models.split`'s tuples) as their tuple."""
+  `models.split`'s tuples) as their tuple.
+
+  A `tied` leaf (held by several stages: a head tied to the embedding)
+  appears once: with `add` (gradients) the sum of its stages' values,
+
+  .. math:: g_w = \sum_{s \ni w} g_w^{(s)},
+
+  as Megatron's embedding group all-reduces it, else (weights, every copy
+  the same) the first stage's.
+  """
   stage_trees = tuple(stage_trees)
-  if not _joinable(stage_trees):
+  if not _joinable(stage_trees, tied):
     return stage_trees
   tree = {}
   for t in stage_trees:
-    tree = _merge(tree, t)
+    tree = _merge(tree, t, add)
   return tree
 
 
-def parts(tree, stage_trees) -> tuple:
+def parts(tree, stage_trees, tied=frozenset()) -> tuple:
   """`join`'s inverse: `tree`, shaped like `join(stage_trees)`, as one tree
-  per stage shaped like `stage_trees`."""
+  per stage shaped like `stage_trees` (a tied leaf's one value on every
+  stage that holds it: one update applied on all)."""
   stage_trees = tuple(stage_trees)
-  if not _joinable(stage_trees):
+  if not _joinable(stage_trees, tied):
     return tuple(tree)
 
   def like(t, shape):
@@ -191,15 +241,18 @@ def parts(tree, stage_trees) -> tuple:
   return tuple(like(tree, t) for t in stage_trees)
 
 
-def init_states(optimizer, scope: str, stage_params) -> list:
+def init_states(optimizer, scope: str, stage_params,
+                tied=frozenset()) -> list:
   """Per stage, the optimizer state it holds: its own tree's, or (scope
   "model") a copy of the whole model's (`join` of the stage trees).
 
   Raises:
     ValueError: in one line, where the optimizer cannot initialise on the
-      tree it steps on (a mask or labels given as a tree that fits another).
+      tree it steps on (a mask or labels given as a tree that fits another),
+      or for invalid `tied` names (`check_tied`).
   """
-  trees = ([join(stage_params)] if scope == "model"
+  check_tied(stage_params, tied)
+  trees = ([join(stage_params, tied)] if scope == "model"
            else list(stage_params))
   states = []
   for s, tree in enumerate(trees):

@@ -81,6 +81,8 @@ class Stages(NamedTuple):
   #   trees together (gathered over 'stage'), else on each stage's own
   placement: placement_lib.Placement  # which stage sits in which slot of
   #   which device on 'stage' (`placement.py`)
+  tied: frozenset = frozenset()  # names of parameters several stages hold
+  #   (`scope.join`: their gradients summed, one update on every copy)
 
   @property
   def num_stages(self) -> int:
@@ -587,18 +589,20 @@ def model_step(ctx: Stages, carries, grads, instr):
     return tuple(trees[s] for s in range(ctx.num_stages))
 
   stage_trees = whole([read_version(c.ring, 0) for c in carries])
-  current = scope_lib.join(stage_trees)
+  join = functools.partial(scope_lib.join, tied=ctx.tied)
+  add = functools.partial(scope_lib.join, tied=ctx.tied, add=True)
+  current = join(stage_trees)
   kwargs = contract.extra_args(
       ctx.optimizer, ctx.stale_schedule,
-      stale_params=scope_lib.join(whole([read_version(c.ring, instr.update_lag)
-                                         for c in carries])),
+      stale_params=join(whole([read_version(c.ring, instr.update_lag)
+                               for c in carries])),
       staleness=instr.update_staleness,
-      local_updates=scope_lib.join(whole([accumulated(c) for c in carries])))
+      local_updates=add(whole([accumulated(c) for c in carries])))
   updates, opt_state = ctx.optimizer.update(
-      scope_lib.join(whole(grads)), ctx.opt.unpack(0, carries[0].opt_state),
-      current, **kwargs)
-  return (scope_lib.parts(optax.apply_updates(current, updates), stage_trees),
-          opt_state)
+      add(whole(grads)), ctx.opt.unpack(0, carries[0].opt_state), current,
+      **kwargs)
+  return (scope_lib.parts(optax.apply_updates(current, updates), stage_trees,
+                          ctx.tied), opt_state)
 
 
 def write_version(ring: WeightRing, params: packing.Flat, evict) -> WeightRing:
