@@ -41,3 +41,30 @@ def test_drain_equals_the_oracles_and_applies_every_update(name, S, M):
   for a, b in zip(jax.tree.leaves(pipe.params(state)),
                   jax.tree.leaves(ref.params(rstate))):
     np.testing.assert_allclose(a, b, atol=2e-6, rtol=1e-5)
+
+
+def test_a_drained_state_takes_no_further_step():
+  """PipeDream S = 2: two windows, a drain, then a third window would train
+  on a pipeline whose in-flight work is finished, as no schedule does: the
+  executor and the oracle refuse it in one line, and a second drain."""
+  S, M, B = 2, 2, 1
+  staged = sp.models.split(sp.models.mlp(8, 6, S - 1, 4, seed=4), S)
+  schedule = sp.schedules.make("pipedream", num_stages=S, num_microbatches=M,
+                               num_minibatches=B)
+  pipe = executor.Pipeline(staged.stage_fns, cross_entropy, schedule,
+                           optax.sgd(0.3), jax.make_mesh((1, S),
+                                                         ("data", "stage")))
+  ref = reference.Pipeline(staged.stage_fns, cross_entropy, schedule,
+                           optax.sgd(0.3))
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(B, M, 2, 8)).astype(np.float32)
+  y = rng.integers(0, 4, size=(B, M, 2)).astype(np.int32)
+  for runner in (pipe, ref):
+    state = runner.init(staged.stage_params)
+    for _ in range(2):
+      state, _ = runner.step(state, x, y)
+    state, _ = runner.drain(state)
+    with pytest.raises(ValueError, match="drained .* no further step"):
+      runner.step(state, x, y)
+    with pytest.raises(ValueError, match="drained"):
+      runner.drain(state)

@@ -10,6 +10,7 @@ from stalepipe.models.losses import cross_entropy
 from stalepipe.pipeline import executor
 from stalepipe.pipeline import reference
 from stalepipe.pipeline import scope
+from tests import unpipelined
 
 
 def _clip():
@@ -32,17 +33,8 @@ def _unpipelined(staged, optimizer, windows):
   """Plain optax on the whole model: one update per minibatch, on the mean
   of its micro-batches' gradients."""
   model = sp.models.unpipelined(staged)
-  params = tuple(staged.stage_params)
-  state = optimizer.init(params)
-  loss = lambda p, x, y: cross_entropy(model(p, x), y)  # pylint: disable=unnecessary-lambda-assignment
-  for x, y in windows:
-    for i in range(x.shape[0]):
-      grads = [jax.grad(loss)(params, x[i, m], y[i, m])
-               for m in range(x.shape[1])]
-      mean = jax.tree.map(lambda *g: sum(g) / len(g), *grads)
-      updates, state = optimizer.update(mean, state, params)
-      params = optax.apply_updates(params, updates)
-  return params
+  return unpipelined.train(lambda p, x, y: cross_entropy(model(p, x), y),
+                           tuple(staged.stage_params), optimizer, windows)
 
 
 def _close(got, want, atol=2e-6):

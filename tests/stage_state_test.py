@@ -228,7 +228,7 @@ def test_cut_carries_batch_norm_statistics_like_unpipelined_training():
   staged = sp.models.cut(_Net(), [_front, _back],
                          jax.ShapeDtypeStruct((n, 8), jnp.float32))
   assert staged.stage_states[1] is None
-  assert sorted(staged.stage_states[0]) == ["bn.mean", "bn.var"]
+  assert sorted(staged.stage_states[0]["bn"]) == ["mean", "var"]
   schedule = sp.schedules.make("1f1b", num_stages=2, num_microbatches=M,
                                num_minibatches=B)
   mesh = jax.make_mesh((1, 2), ("data", "stage"))

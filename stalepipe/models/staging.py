@@ -13,8 +13,10 @@ from typing import Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
+from stalepipe.pipeline import scope as scope_lib
 from stalepipe.pipeline import split_backward
 from stalepipe.pipeline import stage as stage_lib
 
@@ -29,6 +31,8 @@ class Staged(NamedTuple):
   boundaries: tuple[int, ...]  # index of the first block of each stage
   stage_states: tuple | None = None  # `cut`: per stage its statistics (None
   #   for a stage without); None where no stage has any
+  tied: tuple[str, ...] = ()  # `cut`: parameters several stages hold, for
+  #   `Pipeline(..., tied=)`
 
 
 def even_boundaries(num_blocks: int, num_stages: int) -> tuple[int, ...]:
@@ -99,10 +103,6 @@ def unpipelined(staged: Staged) -> StageFn:
   return _compose(staged.stage_fns)
 
 
-def _path_name(path) -> str:
-  return ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
-
-
 def _refuse_state(module: nnx.Module) -> None:
   """Refuses state other than parameters, BatchNorm-style statistics and
   RNG state (a decoding cache, sown intermediates): no executor carries
@@ -116,10 +116,34 @@ def _refuse_state(module: nnx.Module) -> None:
           "per stage) and RNG state")
 
 
+def _names(tree) -> dict:
+  """`{"path.to.leaf": leaf}` of a nested dict."""
+  return {scope_lib.leaf_name(path): leaf for path, leaf in
+          jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
 def _flat(state) -> dict:
   """`{"path.to.leaf": array}` of an nnx.State."""
-  return {_path_name(path): leaf for path, leaf in
-          jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(state))[0]}
+  return _names(nnx.to_pure_dict(state))
+
+
+def _paths(state) -> dict:
+  """`{"path.to.leaf": (keys, ...)}` of an nnx.State."""
+  return {scope_lib.leaf_name(path): tuple(getattr(k, "key", k) for k in path)
+          for path, _ in jax.tree_util.tree_flatten_with_path(
+              nnx.to_pure_dict(state))[0]}
+
+
+def _nested(paths: dict, leaves: dict) -> dict:
+  """The module's nested dict holding only `leaves` (`{name: leaf}`), at
+  their `paths`: a stage's part of `nnx.to_pure_dict(state)`."""
+  tree = {}
+  for name, leaf in leaves.items():
+    node = tree
+    for k in paths[name][:-1]:
+      node = node.setdefault(k, {})
+    node[paths[name][-1]] = leaf
+  return tree
 
 
 def _filled(state, flat: dict, given: dict):
@@ -134,10 +158,12 @@ def _filled(state, flat: dict, given: dict):
   return full
 
 
-def _owned(jaxpr, num_params: int, num_stats: int) -> tuple[list, list]:
-  """From the jaxpr of `(param leaves, stat leaves, x) -> (y, new stats)`:
-  which parameters it reads, and which statistics it reads or writes (a
-  statistic passed through unchanged is neither)."""
+def _owned(jaxpr, num_params: int, num_stats: int) -> tuple[list, list,
+                                                             bool]:
+  """From the jaxpr of `(param leaves, stat leaves, x, key) -> (y, new
+  stats)`: which parameters it reads, which statistics it reads or writes
+  (a statistic passed through unchanged is neither), and whether it reads
+  the key."""
   stat_in = jaxpr.invars[num_params:num_params + num_stats]
   stat_out = jaxpr.outvars[len(jaxpr.outvars) - num_stats:]
   written = [o is not i for i, o in zip(stat_in, stat_out)]
@@ -146,19 +172,41 @@ def _owned(jaxpr, num_params: int, num_stats: int) -> tuple[list, list]:
   read = split_backward.read_inputs(jaxpr.replace(outvars=kept))
   return (read[:num_params],
           [r or w for r, w in zip(read[num_params:num_params + num_stats],
-                                  written)])
+                                  written)], read[-1])
 
 
-def _claim(owned: list, mine: list, s: int, what: str) -> None:
+def _keyed(keys, counts, key: jax.Array):
+  r"""The module's RNG streams (`nnx.Rngs`, an `nnx.Dropout`'s) drawn from
+  a stage's `key`: stream i's key :math:`\mathrm{fold}(key, i)`, in the
+  module's path order, its count 0 (fresh Variables of this trace)."""
+  leaves, treedef = jax.tree.flatten(keys)
+  keys = jax.tree.unflatten(treedef, [
+      jax.random.fold_in(key, i) for i in range(len(leaves))])
+  return keys, jax.tree.map(jnp.zeros_like, counts)
+
+
+def _python_scalars(y) -> list[str]:
+  """The leaves of a stage's output that are Python (or NumPy) scalars."""
+  y = y.value if isinstance(y, stage_lib.Output) else y
+  return [jax.tree_util.keystr(path) or "the output" for path, leaf in
+          jax.tree_util.tree_flatten_with_path(y)[0]
+          if isinstance(leaf, (bool, int, float, complex, np.generic))]
+
+
+def _claim(owned: list, mine: list, s: int, what: str,
+           tied=frozenset()) -> None:
   for n in mine:
     other = next((t for t, o in enumerate(owned) if n in o), None)
-    if other is not None:
-      raise ValueError(f"{what} {n!r} is read by stages {other} and {s}; "
-                       f"valid: each {what} in one stage (untie shared ones)")
+    if other is not None and n not in tied:
+      raise ValueError(
+          f"{what} {n!r} is read by stages {other} and {s}; valid: each "
+          f"{what} in one stage" + (" or, tied, named in cut(..., tied=)"
+                                    if what == "parameter" else ""))
   owned.append(mine)
 
 
-def cut(module: nnx.Module, stages: Sequence[Callable], example) -> Staged:
+def cut(module: nnx.Module, stages: Sequence[Callable], example,
+        tied: Sequence[str] = ()) -> Staged:
   """Cuts an NNX module into stages, each a function of the module.
 
   `stages[s](model, x, **kw) -> y` runs stage s's part of the module (glue
@@ -177,17 +225,24 @@ def cut(module: nnx.Module, stages: Sequence[Callable], example) -> Staged:
       RNG state.
     stages: S functions `(model, x, ...) -> y`.
     example: stage 0's input (arrays or `jax.ShapeDtypeStruct`s).
+    tied: names of parameters several stages read (a head tied to the
+      embedding: `("embed.embedding",)`); each such stage holds a copy, and
+      `Pipeline(..., tied=staged.tied)` sums their gradients and applies
+      one update on every copy, as Megatron's embedding group does.
 
   Returns:
-    The stages: `stage_params[s]` a flat dict `{"path.to.param": array}` of
-    the parameters stage s reads, `stage_states[s]` that of its statistics
-    (None for a stage without); `merge(module, stage_params, stage_states)`
-    writes them back.
+    The stages: `stage_params[s]` the parameters stage s reads, as the part
+    of the module's own nested dict `nnx.to_pure_dict(nnx.state(module,
+    nnx.Param))` that holds them (`{"blocks": {0: {"attn": ...}}}`), so an
+    optax mask or label function sees the paths it sees in unpipelined
+    training; `stage_states[s]` that of its statistics (None for a stage
+    without); `merge(module, stage_params, stage_states)` writes them
+    back.
 
   Raises:
     ValueError: in one line, for a parameter no stage reads (it would be
-      lost), a parameter or statistic read by two stages (tied), or state
-      no executor carries.
+      lost), a parameter read by two stages and not named in `tied` or a
+      statistic read by two, or state no executor carries.
 
   Examples:
     >>> from flax import nnx
@@ -197,45 +252,67 @@ def cut(module: nnx.Module, stages: Sequence[Callable], example) -> Staged:
     ...     self.b = nnx.Linear(4, 2, rngs=nnx.Rngs(1))
     >>> staged = cut(Two(), [lambda m, x: m.a(x), lambda m, x: m.b(x)],
     ...              jax.ShapeDtypeStruct((3, 4), "float32"))
-    >>> [sorted(p) for p in staged.stage_params]
-    [['a.bias', 'a.kernel'], ['b.bias', 'b.kernel']]
+    >>> [{k: sorted(v) for k, v in p.items()} for p in staged.stage_params]
+    [{'a': ['bias', 'kernel']}, {'b': ['bias', 'kernel']}]
   """
   _refuse_state(module)
-  graphdef, params, stats, rest = nnx.split(module, nnx.Param, nnx.BatchStat,
-                                            ...)
+  graphdef, params, stats, keys, counts, rest = nnx.split(
+      module, nnx.Param, nnx.BatchStat, nnx.RngKey, nnx.RngCount, ...)
   flat, flat_stats = _flat(params), _flat(stats)
   names, stat_names = list(flat), list(flat_stats)
+  paths = {**_paths(params), **_paths(stats)}
+  unknown = [n for n in tied if n not in flat]
+  if unknown:
+    raise ValueError(f"tied {unknown} are not parameters of the module; "
+                     f"valid: names such as {names[:3]}")
 
-  def rebuild(given: dict, given_stats: dict):
-    """The module with `given` parameters and statistics."""
+  def rebuild(given: dict, given_stats: dict, key: jax.Array):
+    """The module with `given` parameters and statistics, its RNG streams
+    drawn from `key`."""
     return nnx.merge(graphdef, _filled(params, flat, given),
-                     _filled(stats, flat_stats, given_stats), rest)
+                     _filled(stats, flat_stats, given_stats),
+                     *_keyed(keys, counts, key), rest)
 
-  fns, owned, owned_stats, x = [], [], [], example
+  fns, owned, owned_stats, x, constants = [], [], [], example, []
   for s, stage in enumerate(stages):
-    asked = stage_lib.wants(stage)
+    asked, out = stage_lib.wants(stage), {}
 
-    def read(values, stat_values, x, stage=stage, asked=asked):
-      kwargs = {}
-      if "key" in asked:
-        kwargs["key"] = jax.random.key(0)
+    def read(values, stat_values, x, key_data, stage=stage, asked=asked,
+             out=out):
+      key = jax.random.wrap_key_data(key_data)
+      kwargs = {"key": key} if "key" in asked else {}
       if "train" in asked:
         kwargs["train"] = True
       model = rebuild(dict(zip(names, values)),
-                      dict(zip(stat_names, stat_values)))
-      y = stage(model, x, **kwargs)
+                      dict(zip(stat_names, stat_values)), key)
+      y = out["y"] = stage(model, x, **kwargs)
       new = _flat(nnx.state(model, nnx.BatchStat))
       return y, [new[n] for n in stat_names]
 
-    args = ([flat[n] for n in names], [flat_stats[n] for n in stat_names], x)
-    jaxpr = jax.make_jaxpr(read)(*args)
-    used, used_stats = _owned(jaxpr.jaxpr, len(names), len(stat_names))
-    _claim(owned, [n for n, u in zip(names, used) if u], s, "parameter")
+    args = ([flat[n] for n in names], [flat_stats[n] for n in stat_names], x,
+            stage_lib.key_struct())
+    try:
+      jaxpr = jax.make_jaxpr(read)(*args)
+    except Exception as e:  # pylint: disable=broad-except
+      if not constants:
+        raise
+      raise ValueError(
+          f"stage {s - 1} passes Python scalars at {', '.join(constants)} "
+          f"to stage {s}, "
+          "where they arrive traced, as arrays (every boundary value is), "
+          f"and fail ({type(e).__name__}); valid: constants (a slice bound, "
+          "a length) in the stage function that uses them, arrays across "
+          "the boundary") from e
+    constants = _python_scalars(out["y"])
+    used, used_stats, draws = _owned(jaxpr.jaxpr, len(names),
+                                     len(stat_names))
+    _claim(owned, [n for n, u in zip(names, used) if u], s, "parameter",
+           frozenset(tied))
     _claim(owned_stats, [n for n, u in zip(stat_names, used_stats) if u], s,
            "statistic")
     x = jax.eval_shape(read, *args)[0]
     x = x.value if isinstance(x, stage_lib.Output) else x
-    fns.append(_module_stage(stage, rebuild, owned_stats[-1]))
+    fns.append(_module_stage(stage, rebuild, owned_stats[-1], paths, draws))
   lost = [n for n in names if not any(n in o for o in owned)]
   if lost:
     raise ValueError(f"parameters {lost} are read by no stage and would be "
@@ -243,30 +320,40 @@ def cut(module: nnx.Module, stages: Sequence[Callable], example) -> Staged:
                      "parameter")
   return Staged(
       stage_fns=tuple(fns),
-      stage_params=tuple({n: flat[n] for n in o} for o in owned),
+      stage_params=tuple(_nested(paths, {n: flat[n] for n in o})
+                         for o in owned),
       boundaries=tuple(range(len(stages))),
-      stage_states=(tuple({n: flat_stats[n] for n in o} if o else None
-                          for o in owned_stats)
-                    if any(owned_stats) else None))
+      stage_states=(tuple(_nested(paths, {n: flat_stats[n] for n in o})
+                          if o else None for o in owned_stats)
+                    if any(owned_stats) else None),
+      tied=tuple(tied))
 
 
-def _module_stage(stage: Callable, rebuild: Callable,
-                  stats: Sequence[str]) -> Callable:
-  """`stage(model, x, ...)` as a function of its own flat parameters,
-  declaring the `key` and `train` arguments `stage` declares, and `state`
-  (its statistics, returned updated in `stage.Output`) where it has any."""
+def _module_stage(stage: Callable, rebuild: Callable, stats: Sequence[str],
+                  paths: dict, draws: bool) -> Callable:
+  """`stage(model, x, ...)` as a function of its own parameters (the
+  module's nested dict of them), declaring the `key` and `train` arguments
+  `stage` declares, `key` also where it draws from the module's RNG
+  streams (`draws`: an `nnx.Dropout`; they are drawn from the key), and
+  `state` (its statistics, returned updated in `stage.Output`) where it has
+  any."""
+  own = stage_lib.wants(stage)
+
   def fn(p, x, **kwargs):
     state = kwargs.pop("state", {})
-    model = rebuild(p, state)
+    key = kwargs["key"] if "key" in own else kwargs.pop(
+        "key", jax.random.key(0))
+    model = rebuild(_names(p), _names(state), key)
     out = stage(model, x, **kwargs)
     if not stats:
       return out
     new = _flat(nnx.state(model, nnx.BatchStat))
     out = out if isinstance(out, stage_lib.Output) else stage_lib.Output(out)
-    return out._replace(state={n: new[n] for n in stats})
+    return out._replace(state=_nested(paths, {n: new[n] for n in stats}))
 
   positional = inspect.Parameter.POSITIONAL_OR_KEYWORD
-  asked = set(stage_lib.wants(stage)) | ({"state"} if stats else set())
+  asked = set(own) | ({"state"} if stats else set()) | (
+      {"key"} if draws else set())
   fn.__signature__ = inspect.Signature(
       [inspect.Parameter("p", positional), inspect.Parameter("x", positional)]
       + [inspect.Parameter(a, inspect.Parameter.KEYWORD_ONLY)
@@ -276,34 +363,39 @@ def _module_stage(stage: Callable, rebuild: Callable,
 
 def _write_back(module: nnx.Module, kind, stage_trees: Sequence,
                 what: str) -> None:
-  """Writes flat stage dicts of `kind` variables into `module`."""
+  """Writes stage trees (`cut`'s nested dicts) of `kind` variables into
+  `module`."""
   state = nnx.state(module, kind)
   flat = _flat(state)
   given = {}
   for p in stage_trees:
-    given.update(p or {})
+    given.update(_names(p or {}))
   missing = [n for n in flat if n not in given]
   if missing or len(given) != len(flat):
     raise ValueError(f"stage {what} do not cover the module's (missing "
                      f"{missing[:3]}, {len(given)} given for {len(flat)}); "
                      f"valid: the stage_{what} of cut(module)")
+  # Each value where the module's is (its sharding: `nnx.with_partitioning`).
+  placed = [jax.device_put(given[n], flat[n].sharding)
+            if isinstance(flat[n], jax.Array) else given[n] for n in flat]
   pure = jax.tree.unflatten(jax.tree.structure(nnx.to_pure_dict(state)),
-                            [given[n] for n in flat])
+                            placed)
   nnx.replace_by_pure_dict(state, pure)
   nnx.update(module, state)
 
 
 def merge(module: nnx.Module, stage_params: Sequence[dict],
           stage_states: Sequence[dict | None] | None = None) -> nnx.Module:
-  """Writes a pipeline's trained stage parameters (`cut`'s flat dicts, e.g.
+  """Writes a pipeline's trained stage parameters (`cut`'s nested dicts, e.g.
   `pipe.params(state)`) and, where given, the stages' statistics
   (`pipe.stage_states(state)`) back into `module` (`nnx.update`), for
   evaluation, export or a checkpoint in the user's own format; returns it.
-  Statistics no stage holds keep their values."""
+  Each value lands where the module's was (its sharding, e.g. from
+  `nnx.with_partitioning`). Statistics no stage holds keep their values."""
   _write_back(module, nnx.Param, stage_params, "params")
   if stage_states is not None:
     flat = _flat(nnx.state(module, nnx.BatchStat))
-    given = {n: v for t in stage_states for n, v in (t or {}).items()}
+    given = {n: v for t in stage_states for n, v in _names(t or {}).items()}
     _write_back(module, nnx.BatchStat,
                 [{**{n: v for n, v in flat.items() if n not in given},
                   **given}], "states")

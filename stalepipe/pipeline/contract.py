@@ -96,3 +96,14 @@ def check(stage_fns, schedule, optimizer, sync, num_replicas: int) -> None:
                      "transformation (init and update)")
   if pipeline_wide(optimizer) and schedule.pipeline_ahead_error:
     raise ValueError(schedule.pipeline_ahead_error)
+
+
+def refuse_drained(drained: bool) -> None:
+  """Refuses to go on from a drained state (both executors): its in-flight
+  work is finished, so a further window would train as no schedule does."""
+  if drained:
+    raise ValueError(
+        "the state was drained (drain() finished the minibatches in flight) "
+        "and takes no further step or drain; valid: drain once, at the end of "
+        "training (evaluate and params read an undrained state's latest "
+        "weights)")

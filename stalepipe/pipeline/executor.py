@@ -71,7 +71,8 @@ def state_specs(state: PipelineState) -> PipelineState:
       grads=per_device(state.grads), buffers=per_device(state.buffers),
       history=jax.tree.map(lambda _: _WINDOW, state.history),
       sync=per_device(state.sync), step=P(),
-      stage_state=per_device(state.stage_state))
+      stage_state=per_device(state.stage_state),
+      drained=None if state.drained is None else P())
 
 
 def run_window(ctx: tick_lib.Stages, state: PipelineState, inputs, targets,
@@ -216,6 +217,10 @@ class Pipeline:
       (`placement.names()`): "consecutive" (default; device d the d-th run
       of S/P stages), "loop" (stage s on device s mod P) or "v" (S = 2P;
       device r holds stages r and 2P-1-r).
+    tied: names of parameters several stages hold (`models.cut(...,
+      tied=)`: a head tied to the embedding); their gradients are summed
+      over those stages and one update applied on every copy
+      (`scope.join`), with optimizer_scope "model" (or "auto").
 
   Examples:
     >>> import jax, optax, stalepipe as sp
@@ -234,7 +239,8 @@ class Pipeline:
                mesh: Mesh, sync: sync_lib.SyncPolicy | None = None,
                lowering: str = "nested_switch", remat: str = "recompute",
                layout: str = "packed", optimizer_scope: str = "auto",
-               seed: int = 0, placement: str = "consecutive"):
+               seed: int = 0, placement: str = "consecutive",
+               tied: Sequence[str] = ()):
     if tuple(mesh.axis_names) != (DATA, STAGE):
       raise ValueError(f"mesh axes {tuple(mesh.axis_names)} are invalid; "
                        f"valid: ({DATA!r}, {STAGE!r})")
@@ -243,8 +249,9 @@ class Pipeline:
     sync = sync or sync_lib.bsp(mesh.shape[DATA])
     contract.check(stage_fns, schedule, optimizer, sync, mesh.shape[DATA])
     residuals_lib.check(remat, schedule, optimizer)
+    self.tied = frozenset(tied)
     self.optimizer_scope = scope_lib.resolve(optimizer_scope, optimizer,
-                                             schedule)
+                                             schedule, self.tied)
     if self.optimizer_scope == "model":
       schedule = schedule.together()
     self.remat = remat
@@ -263,7 +270,7 @@ class Pipeline:
         schedule, ring_groups=self.placement.stages.T)
     self._stale_schedule = contract.schedule_is_stale(schedule)
     self._param_packing = self._opt_packing = self._state_packing = None
-    self._steps = {}
+    self._steps, self._contexts = {}, {}
     self._tables = self._static_plan = None
 
   @property
@@ -329,11 +336,15 @@ class Pipeline:
       raise ValueError(f"{len(stage_params)} stage parameter trees do not fit "
                        f"{len(self.stage_fns)} stages; valid: "
                        f"{len(self.stage_fns)}")
+    # On the host first: a module's arrays may carry their own sharding
+    # (`nnx.with_partitioning` over another mesh), which packing must not see.
+    stage_params, stage_states = jax.device_get((tuple(stage_params),
+                                                 stage_states))
     states = stage_lib.initial_states(self._wants, stage_states)
     self._state_packing = (None if states is None
                            else packing.Packing(states))
     opt_states = scope_lib.init_states(self.optimizer, self.optimizer_scope,
-                                       stage_params)
+                                       stage_params, self.tied)
     self._param_packing = self.layout(stage_params)
     self._opt_packing = self.layout(opt_states)
     params = self._param_packing.pack_all(stage_params)
@@ -429,8 +440,13 @@ class Pipeline:
     targets, tables, plan)`, for the function `lower` and `compile` give
     (e.g. `pipe.compile(state, x, y)(*pipe.arguments(state, x, y))`, which
     donates the state like `step`)."""
+    contract.refuse_drained(state.drained is not None)
     self._check_window(inputs, targets)
     inputs, targets = self.place(inputs), self.place(targets)
+    if state.buffers is not None and self._buffer_shapes(
+        inputs, targets) != jax.tree.map(np.shape, state.buffers):
+      self._refuse_new_shapes(state, inputs, targets)
+      state = state._replace(buffers=None)  # nothing in flight: new shapes
     if state.buffers is None:
       state = self._allocate(state, inputs, targets)
     if self._tables is None:
@@ -438,9 +454,30 @@ class Pipeline:
                                   self.program.tables)
     return state, inputs, targets, self._tables, self._sync_plan(state)
 
-  def _step_fn(self, inputs, targets) -> Callable:
-    key = jax.tree.structure((inputs, targets)), tuple(
+  def _refuse_new_shapes(self, state: PipelineState, inputs, targets):
+    """Refuses a window shaped unlike the windows whose work is in flight
+    (an asynchronous schedule's activations and kept inputs)."""
+    if self.program.history == 0 or state.history is None:
+      return
+    B = self.schedule.num_minibatches
+    for name, kept, now in (("inputs", state.history.inputs, inputs),
+                            ("targets", state.history.targets, targets)):
+      for k, n in zip(jax.tree.leaves(kept), jax.tree.leaves(now)):
+        if k.shape[1:] != n.shape[1:] or k.dtype != n.dtype:
+          raise ValueError(
+              f"{name} shape {n.shape} is not the shape {(B,) + k.shape[1:]} "
+              f"this run was built for; valid: {(B,) + k.shape[1:]} (schedule "
+              f"{self.schedule.name!r} carries work of earlier windows in "
+              "flight; a flush schedule takes new shapes between steps)")
+    raise ValueError("inputs and targets need activation buffers unlike the "
+                     "state's; valid: the shapes of the earlier windows")
+
+  def _shape_key(self, inputs, targets) -> tuple:
+    return jax.tree.structure((inputs, targets)), tuple(
         (v.shape, v.dtype) for v in jax.tree.leaves((inputs, targets)))
+
+  def _step_fn(self, inputs, targets) -> Callable:
+    key = self._shape_key(inputs, targets)
     if key not in self._steps:
       self._steps[key] = self._build_step(inputs, targets)
     return self._steps[key]
@@ -477,15 +514,18 @@ class Pipeline:
     windows after the last one, with every task and update of a minibatch
     that would start in them left out (`program.drain_table`), so the
     weights hold every minibatch trained on (an asynchronous schedule's
-    last ones included). The state is then for `params` and checkpoints;
-    it takes no further `step`.
+    last ones included). The state is then for `params`, `evaluate` and
+    checkpoints; `step` and `drain` refuse it (it is marked drained).
 
     Returns:
       The state and `loss` / `num_losses` of the forwards the drain ran.
     """
+    contract.refuse_drained(state.drained is not None)
     H, B = self.program.history, self.schedule.num_minibatches
+    drained = self._put(np.ones((), bool), P())
     if H == 0 or state.history is None:  # nothing crosses a window
-      return state, {"loss": jnp.nan, "num_losses": 0}
+      return state._replace(drained=drained), {"loss": jnp.nan,
+                                               "num_losses": 0}
     zeros = lambda tree: jax.tree.map(  # pylint: disable=unnecessary-lambda-assignment
         lambda h: self._put(np.zeros((B,) + h.shape[1:], h.dtype), _WINDOW),
         tree)
@@ -500,8 +540,8 @@ class Pipeline:
                                                       tables, plan)
       n = int(metrics["num_losses"])
       total, count = total + (float(metrics["loss"]) * n if n else 0.0), count + n
-    return state, {"loss": total / count if count else jnp.nan,
-                   "num_losses": count}
+    return state._replace(drained=drained), {
+        "loss": total / count if count else jnp.nan, "num_losses": count}
 
   def evaluate(self, state: PipelineState, inputs, targets) -> dict:
     """A forward-only window (`forward_only.py`): every micro-batch through
@@ -519,8 +559,7 @@ class Pipeline:
     """
     self._check_window(inputs, targets)
     inputs, targets = self.place(inputs), self.place(targets)
-    key = ("evaluate", jax.tree.structure((inputs, targets))) + tuple(
-        (v.shape, v.dtype) for v in jax.tree.leaves((inputs, targets)))
+    key = ("evaluate",) + self._shape_key(inputs, targets)
     if key not in self._steps:
       self._steps[key] = self._build_evaluate(inputs, targets)
     metrics, outputs = self._steps[key](state, inputs, targets)
@@ -541,7 +580,7 @@ class Pipeline:
       stage_inputs.append(out)
     target = jax.tree.map(micro, targets)
     objective = jax.eval_shape(
-        lambda y, t: forward_only.objective(self.loss_fn, y, t),
+        lambda y, t: stage_lib.evaluation_objective(self.loss_fn, y, t),
         stage_inputs[-1], target)
     ctx = forward_only.Forward(
         fns=fns, loss_fn=self.loss_fn, params=self._param_packing,
@@ -621,7 +660,7 @@ class Pipeline:
         wants=self._wants, seed=self.seed,
         whole_model=self.optimizer_scope == "model",
         states=self._state_packing, objective=objective,
-        placement=self.placement)
+        placement=self.placement, tied=self.tied)
 
   def _bound_input(self, s: int, x):
     """Stage s's input `x` (shapes) as its bound function takes it
@@ -649,29 +688,43 @@ class Pipeline:
     return split, tuple(functools.partial(split_lib.forward, stage)
                         for stage in split.stages)
 
-  def _allocate(self, state, inputs, targets) -> PipelineState:
-    """Zero activation buffers and input history, on first use."""
-    ctx = self._stages(inputs, targets)
+  def _context(self, inputs, targets) -> tick_lib.Stages:
+    """`_stages` for windows of this shape, computed once."""
+    key = self._shape_key(inputs, targets)
+    if key not in self._contexts:
+      self._contexts[key] = self._stages(inputs, targets)
+    return self._contexts[key]
+
+  def _buffer_shapes(self, inputs, targets) -> tuple[Buffers, ...]:
+    """Each slot's activation buffers' shapes (dtype -> shape) for windows
+    of this shape."""
+    ctx = self._context(inputs, targets)
     D, P, C = (self.num_replicas, self.placement.num_devices,
                self.program.num_slots)
-    rows = lambda lengths: {k: self._put(  # pylint: disable=unnecessary-lambda-assignment
-        np.zeros((D, P, C + 1, n), k), _PER_DEVICE)  # + scratch
-                            for k, n in lengths.items()}
+    rows = lambda lengths: {k: (D, P, C + 1, n)  # pylint: disable=unnecessary-lambda-assignment
+                            for k, n in lengths.items()}  # + scratch
     kept = lambda layout: {} if layout is None else rows(layout.packing.lengths)  # pylint: disable=unnecessary-lambda-assignment
+    return tuple(Buffers(rows(ctx.boundaries.acts.lengths),
+                         rows(ctx.boundaries.cots.lengths),
+                         kept(ctx.residuals), kept(ctx.split))
+                 for _ in range(self.placement.num_slots))
+
+  def _allocate(self, state, inputs, targets) -> PipelineState:
+    """Zero activation buffers and input history, on first use."""
     H, B = self.program.history, self.schedule.num_minibatches
     past = lambda tree: None if H == 0 else jax.tree.map(  # pylint: disable=unnecessary-lambda-assignment
         lambda x: self._put(np.zeros((H * B,) + x.shape[1:], x.dtype),
                             _WINDOW), tree)
     return state._replace(
-        buffers=tuple(Buffers(rows(ctx.boundaries.acts.lengths),
-                              rows(ctx.boundaries.cots.lengths),
-                              kept(ctx.residuals), kept(ctx.split))
-                      for _ in range(self.placement.num_slots)),
+        buffers=tuple(Buffers(*[
+            {k: self._put(np.zeros(shape, k), _PER_DEVICE)
+             for k, shape in field.items()} for field in slot])
+                      for slot in self._buffer_shapes(inputs, targets)),
         history=InputHistory(past(inputs), past(targets)))
 
   def _build_step(self, inputs, targets) -> Callable:
     """The jitted window step for windows shaped like these."""
-    ctx = self._stages(inputs, targets)
+    ctx = self._context(inputs, targets)
 
     @functools.partial(jax.jit, donate_argnums=(0,))
     def step_fn(state, inputs, targets, tables, plan):

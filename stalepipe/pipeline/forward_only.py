@@ -37,17 +37,10 @@ class Forward(NamedTuple):
   output: Any  # the last stage's output, ShapeDtypeStruct pytree
   wants: tuple[frozenset, ...]  # per stage, its keyword arguments
   states: packing.Packing | None  # the stages' state layouts
-  objective: Any  # `objective`'s shapes: (loss, metrics)
+  objective: Any  # `stage.evaluation_objective`'s shapes: (loss, metrics)
   seed: int
   num_microbatches: int  # M
   placement: placement_lib.Placement  # the stages each device holds
-
-
-def objective(loss_fn: Callable, out, target):
-  """The loss of the last bound stage's output without auxiliary terms, and
-  the stages' and the loss function's metrics: `(loss, metrics)`."""
-  y, (_, metrics) = out
-  return stage_lib.bind_loss(loss_fn)((y, (0.0, metrics)), target)
 
 
 def _zero_objective(ctx: Forward):
@@ -73,7 +66,8 @@ def _forward(ctx: Forward, s: int, inputs, targets, weights, states, replica,
   if not last:
     return (ctx.boundaries.pack_input(s + 1, y), zeros,
             jax.tree.map(lambda o: jnp.zeros(o.shape, o.dtype), ctx.output))
-  loss = objective(ctx.loss_fn, y, tick_lib.window_item(targets, p, m))
+  loss = stage_lib.evaluation_objective(ctx.loss_fn, y,
+                                        tick_lib.window_item(targets, p, m))
   return (tick_lib.zero_row(ctx.boundaries.acts.lengths),
           jax.tree.map(lambda v, z: jnp.asarray(v, z.dtype), loss, zeros),
           y[0])
@@ -134,5 +128,8 @@ def run(ctx: Forward, state: PipelineState, inputs, targets):
                                            jnp.arange(N + S - 1))
   loss, metrics = jax.tree.map(
       lambda v: jax.lax.pmean(jax.lax.psum(v, STAGE), DATA) / N, loss_sum)
-  outputs = jax.tree.map(lambda o: jax.lax.psum(o, STAGE), outputs)
+  # The last stage's outputs to every stage (the others hold zeros), each
+  # leaf in its own dtype (a psum of bools would give int32).
+  outputs = jax.tree.map(lambda o: jax.lax.psum(o, STAGE).astype(o.dtype),
+                         outputs)
   return {"loss": loss, **metrics}, outputs

@@ -72,6 +72,7 @@ class ReferenceState:
   window: int
   states: dict = dataclasses.field(default_factory=dict)  # (replica, stage)
   #   -> the stage's non-parameter state, for stages that take one
+  drained: bool = False  # `drain` ran: no further step or drain
 
 
 class Pipeline:
@@ -88,16 +89,19 @@ class Pipeline:
     optimizer_scope: "model", "stage" or "auto", as the executor's
       (`scope.py`).
     seed: whence the PRNG key of each task, as the executor's (`stage.py`).
+    tied: parameters several stages hold, as the executor's.
   """
 
   def __init__(self, stage_fns: Sequence[Callable], loss_fn: Callable,
                schedule: Schedule, optimizer: optax.GradientTransformation,
                num_replicas: int = 1, sync: sync_lib.SyncPolicy | None = None,
-               optimizer_scope: str = "auto", seed: int = 0):
+               optimizer_scope: str = "auto", seed: int = 0,
+               tied: Sequence[str] = ()):
     sync = sync or sync_lib.bsp(num_replicas)
     contract.check(stage_fns, schedule, optimizer, sync, num_replicas)
+    self.tied = frozenset(tied)
     self.optimizer_scope = scope_lib.resolve(optimizer_scope, optimizer,
-                                             schedule)
+                                             schedule, self.tied)
     if self.optimizer_scope == "model":
       schedule = schedule.together()
     self.stage_fns = tuple(stage_fns)
@@ -127,7 +131,7 @@ class Pipeline:
     D = self.num_replicas
     states = stage_lib.initial_states(self._wants, stage_states) or ()
     opt_states = scope_lib.init_states(self.optimizer, self.optimizer_scope,
-                                       stage_params)
+                                       stage_params, self.tied)
     return ReferenceState(
         versions={(d, s): (p,) for d in range(D)
                   for s, p in enumerate(stage_params)},
@@ -156,15 +160,57 @@ class Pipeline:
     return tuple(state.states.get((replica, s))
                  for s in range(len(self.stage_fns)))
 
-  def step(self, state: ReferenceState, inputs, targets):
-    """Runs window k: the ticks from the stage-0 forward of minibatch kB up to
-    that of minibatch (k+1)B, in the schedule over an endless stream."""
+  def _check_window(self, inputs, targets) -> None:
     B, M = self.schedule.num_minibatches, self.schedule.num_microbatches
-    D, k = self.num_replicas, state.window
+    D = self.num_replicas
     for shape in [np.shape(v) for v in jax.tree.leaves((inputs, targets))]:
       if len(shape) < 3 or shape[:2] != (B, M) or shape[2] % D:
         raise ValueError(f"inputs shape {shape} is invalid; valid: "
                          f"[{B}, {M}, a multiple of {D} data replicas, ...]")
+
+  def evaluate(self, state: ReferenceState, inputs, targets) -> dict:
+    """Forward only, as the executor's `evaluate`: every micro-batch of the
+    window through every replica's latest weights (and states) with
+    `train=False`, its key that of window minibatch p (0..B-1); nothing
+    changes.
+
+    Returns:
+      `loss` (the mean of `loss_fn`, no auxiliary terms), the mean of every
+      metric, over the micro-batches and replicas, and `outputs`, the last
+      stage's outputs `[B, M, D * b, ...]`.
+    """
+    self._check_window(inputs, targets)
+    B, M, D = (self.schedule.num_minibatches, self.schedule.num_microbatches,
+               self.num_replicas)
+    n = np.shape(jax.tree.leaves(inputs)[0])[2] // D
+    fns = [stage_lib.bind(f, train=False, first=s == 0)
+           for s, f in enumerate(self.stage_fns)]
+    objectives, outputs = [], []
+    for p in range(B):
+      for m in range(M):
+        for d in range(D):
+          part = lambda tree: jax.tree.map(  # pylint: disable=unnecessary-lambda-assignment,cell-var-from-loop
+              lambda v: jnp.asarray(v[p, m, d * n:(d + 1) * n]), tree)  # pylint: disable=cell-var-from-loop
+          y = part(inputs)
+          for s, fn in enumerate(fns):
+            y = fn(state.versions[(d, s)][-1], stage_lib.with_extras(
+                y, self._wants[s], self.seed, p, m, s, d,
+                state.states.get((d, s))))
+          objectives.append(stage_lib.evaluation_objective(
+              self.loss_fn, y, part(targets)))
+          outputs.append(y[0])
+    loss, metrics = jax.tree.map(lambda *v: jnp.mean(jnp.stack(v)),
+                                 *objectives)
+    return {"loss": loss, **metrics, "outputs": jax.tree.map(
+        lambda *v: jnp.concatenate(v).reshape((B, M, D * n) + v[0].shape[1:]),
+        *outputs)}
+
+  def step(self, state: ReferenceState, inputs, targets):
+    """Runs window k: the ticks from the stage-0 forward of minibatch kB up to
+    that of minibatch (k+1)B, in the schedule over an endless stream."""
+    contract.refuse_drained(state.drained)
+    self._check_window(inputs, targets)
+    B, D, k = self.schedule.num_minibatches, self.num_replicas, state.window
     stream = self.schedule.with_minibatches((k + 2) * B)
     w = self._scratch(state, stream, np.shape(jax.tree.leaves(inputs)[0])[2]
                       // D)
@@ -180,16 +226,19 @@ class Pipeline:
     """Finishes the minibatches still in flight after the last window (an
     asynchronous schedule's): every remaining task and update of
     minibatches before kB runs, none of later ones. The state is then for
-    `params`; it takes no further `step`."""
+    `params` and `evaluate`; `step` and `drain` refuse it."""
+    contract.refuse_drained(state.drained)
     k, B = state.window, self.schedule.num_minibatches
     if not state.inputs:
-      return state, {"loss": jnp.nan, "num_losses": 0, "staleness": {}}
+      return dataclasses.replace(state, drained=True), {
+          "loss": jnp.nan, "num_losses": 0, "staleness": {}}
     stream = self.schedule.with_minibatches((k + 2) * B)
     some = jax.tree.leaves(next(iter(state.inputs.values())))[0]
     w = self._scratch(state, stream, np.shape(some)[1] // self.num_replicas)
     self._run_ticks(w, range(_first_forwards(stream)[k * B],
                              stream.num_ticks), below=k * B)
-    return self._finish(w, k)
+    state, metrics = self._finish(w, k)
+    return dataclasses.replace(state, drained=True), metrics
 
   def _scratch(self, state: ReferenceState, stream, n: int) -> "_Scratch":
     return _Scratch(
@@ -307,8 +356,8 @@ class Pipeline:
                   stages: tuple[int, ...] | None = None) -> None:
     """Minibatch p's update of `stages` on every replica, the sync policy's
     functions around it (under `jax.vmap` over the replicas). With `stages`
-    None (optimizer_scope "model") the update rule steps once on the tuple
-    of all stages' trees; else on stage `stages[0]`'s tree alone."""
+    None (optimizer_scope "model") the update rule steps once on the whole
+    model's tree (`scope.join`); else on stage `stages[0]`'s tree alone."""
     D, stream = self.num_replicas, w.stream
     whole = stages is None
     stages = tuple(range(len(self.stage_fns))) if whole else stages
@@ -321,19 +370,24 @@ class Pipeline:
     current = {(d, s): w.versions[(d, s)][-1] for d in range(D) for s in stages}
     new = {}
     for d in range(D):
-      tree = lambda f: (tuple(f(s) for s in stages) if whole  # pylint: disable=unnecessary-lambda-assignment,cell-var-from-loop
-                        else f(stages[0]))
+      # The whole model's tree: a tied leaf's gradients summed over its
+      # stages, its weights (the same on each) taken once.
+      tree = lambda f, add=False: (scope_lib.join(  # pylint: disable=unnecessary-lambda-assignment,cell-var-from-loop
+          [f(s) for s in stages], self.tied, add) if whole else f(stages[0]))  # pylint: disable=cell-var-from-loop
       kwargs = contract.extra_args(
           self.optimizer, self._stale_schedule,
           stale_params=tree(lambda s: w.versions[(d, s)][  # pylint: disable=cell-var-from-loop
               stream.gradient_version(s, p)]),
           staleness=(stream.update_version(stages[0], p)
                      - stream.forward_version(stages[0], p)),
-          local_updates=tree(lambda s: own[(d, s)]))  # pylint: disable=cell-var-from-loop
+          local_updates=tree(lambda s: own[(d, s)], add=True))  # pylint: disable=cell-var-from-loop
       upd, opt_state = self.optimizer.update(
-          tree(lambda s: g[(d, s)]), w.opt_states[(d, stages[0])],  # pylint: disable=cell-var-from-loop
+          tree(lambda s: g[(d, s)], add=True), w.opt_states[(d, stages[0])],  # pylint: disable=cell-var-from-loop
           tree(lambda s: current[(d, s)]), **kwargs)  # pylint: disable=cell-var-from-loop
       applied = optax.apply_updates(tree(lambda s: current[(d, s)]), upd)  # pylint: disable=cell-var-from-loop
+      if whole:
+        applied = scope_lib.parts(applied, [current[(d, s)] for s in stages],
+                                  self.tied)
       for i, s in enumerate(stages):
         w.opt_states[(d, s)] = opt_state
         new[(d, s)] = applied[i] if whole else applied

@@ -10,8 +10,9 @@ means the whole model, so the executors never run it per stage unasked:
 
 - `optimizer_scope="model"`: at each minibatch's update every stage applies
   it at one tick (`Schedule.together`), after the last stage's gradient of
-  it is finished; the update rule runs on the tuple of all stages' trees
-  (the gradient, weights and optimizer state gathered across 'stage') and
+  it is finished; the update rule runs on the whole model's tree (`join`:
+  a cut module's own nested dict, else the tuple of the stages' trees; the
+  gradient, weights and optimizer state gathered across 'stage') and
   equals unpipelined training. Schedules where a stage reads a minibatch's
   update before another stage has finished its gradient (asynchronous
   PipeDream) cannot, and are refused.
@@ -35,11 +36,11 @@ _SEEN = {}  # id(optimizer) -> (optimizer, whether it couples stages)
 
 
 def _stand_in(seed: int):
-  """Two small stage trees of random values."""
+  """Two small stage trees of random values, parts of one module's tree."""
   rng = np.random.default_rng(seed)
-  return tuple({"a": rng.normal(size=(3,)).astype(np.float32),
-                "b": rng.normal(size=(2, 2)).astype(np.float32) + s}
-               for s in range(2))
+  return tuple({f"stage{s}": {
+      "a": rng.normal(size=(3,)).astype(np.float32),
+      "b": rng.normal(size=(2, 2)).astype(np.float32) + s}} for s in range(2))
 
 
 def _updates(optimizer, params, grads, stale) -> list:
@@ -70,7 +71,8 @@ def couples_stages(optimizer) -> bool:
            for scale in _SCALES]
 
   def together_and_apart(grads):
-    return [(_updates(optimizer, params, g, stale),
+    return [([parts(u, params) for u in _updates(
+        optimizer, join(params), [join(step) for step in g], join(stale))],
              [_updates(optimizer, params[s], [step[s] for step in g],
                        stale[s]) for s in range(2)]) for g in grads]
 
@@ -94,24 +96,31 @@ def couples_stages(optimizer) -> bool:
   return couples
 
 
-def resolve(scope: str, optimizer, schedule) -> str:
-  """"model" or "stage": what `scope` means for this optimizer and schedule.
+def resolve(scope: str, optimizer, schedule, tied=()) -> str:
+  """"model" or "stage": what `scope` means for this optimizer and schedule
+  (and `tied` parameters: they need "model", one update on every copy).
 
   Raises:
     ValueError: in one line, for an unknown scope, a whole-model rule the
-      schedule cannot apply at once on every stage, or a whole-model rule
-      that predicts weights.
+      schedule cannot apply at once on every stage, a whole-model rule that
+      predicts weights, or tied parameters per stage.
   """
   if scope not in SCOPES:
     raise ValueError(f"optimizer_scope={scope!r} is invalid; valid: "
                      f"{', '.join(SCOPES)}")
+  if tied and scope == "stage":
+    raise ValueError(f"parameters {sorted(tied)} are tied across stages, but "
+                     "optimizer_scope='stage' would update each copy on its "
+                     "own; valid: optimizer_scope='model' or 'auto' (their "
+                     "gradients summed, one update applied on every copy)")
   if scope == "stage":
     return scope
-  couples = couples_stages(optimizer)
-  if scope == "auto" and not couples:
+  couples = scope == "auto" and not tied and couples_stages(optimizer)
+  if scope == "auto" and not couples and not tied:
     return "stage"
   why = ("the optimizer reduces over the whole model (e.g. a global norm)"
-         if couples else "optimizer_scope='model' was asked for")
+         if couples else f"parameters {sorted(tied)} are tied across stages"
+         if tied else "optimizer_scope='model' was asked for")
   if contract.predicts(optimizer):
     raise ValueError(f"{why}, but a whole-model update with weight "
                      "prediction is not supported; valid: "
@@ -125,9 +134,9 @@ def resolve(scope: str, optimizer, schedule) -> str:
         f"{why}, but schedule {schedule.name!r} cannot apply a minibatch's "
         "update on every stage at once (a stage reads or accumulates before "
         "another stage's gradient of it is finished); valid: a flush "
-        "schedule (gpipe, 1f1b, zb-h1, zb-h2, timeprest, zb-async), or "
-        "optimizer_scope='stage' to run the rule on each stage's own tree"
-    ) from e
+        "schedule (gpipe, 1f1b, zb-h1, zb-h2, timeprest, zb-async)" + (
+            "" if tied else ", or optimizer_scope='stage' to run the rule on "
+            "each stage's own tree")) from e
   return "model"
 
 
@@ -144,9 +153,116 @@ def _check_one_staleness(schedule) -> None:
       raise ValueError(f"minibatch {p}'s stages differ in staleness {seen}")
 
 
-def init_states(optimizer, scope: str, stage_params) -> list:
+def leaf_name(path) -> str:
+  """A leaf's dotted name from its key path: `"blocks.0.attn.kernel"`."""
+  return ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+
+
+def _names(tree) -> list[str]:
+  return [leaf_name(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+
+
+def _joinable(stage_trees, tied) -> bool:
+  """Whether the stage trees are nested dicts whose leaves, the `tied` ones
+  aside, are disjoint (`models.cut`'s: parts of one module's tree)."""
+  if not all(isinstance(t, dict) for t in stage_trees):
+    return False
+  names = [n for t in stage_trees for n in _names(t) if n not in tied]
+  return len(names) == len(set(names))
+
+
+def check_tied(stage_trees, tied) -> None:
+  """Refuses `tied` names that are not leaves of two or more of `cut`'s
+  stage trees.
+
+  Raises:
+    ValueError: in one line, naming the leaf.
+  """
+  if not tied:
+    return
+  if not _joinable(stage_trees, frozenset(tied)):
+    raise ValueError("tied parameters need stage trees that are parts of one "
+                     "module's nested dict; valid: sp.models.cut(..., tied=) "
+                     "and its stage_params")
+  for name in tied:
+    holders = [s for s, t in enumerate(stage_trees) if name in _names(t)]
+    if len(holders) < 2:
+      raise ValueError(f"tied parameter {name!r} is held by stages {holders}; "
+                       "valid: a parameter two or more stages hold")
+
+
+def _merge(a: dict, b: dict, add: bool) -> dict:
+  out = dict(a)
+  for k, v in b.items():
+    if k not in out:
+      out[k] = v
+    elif isinstance(v, dict):
+      out[k] = _merge(out[k], v, add)
+    elif add:  # a tied leaf: the sum of its stages' gradients
+      out[k] = out[k] + v
+  return out
+
+
+def join(stage_trees, tied=frozenset(), add: bool = False):
+  r"""The whole model's tree the update rule steps on: stage trees that are
+  parts of one nested dict (`models.cut`'s) joined back into it, so a mask
+  or label function sees the module's own paths; other stage trees (e.g.
+  `models.split`'s tuples) as their tuple.
+
+  A `tied` leaf (held by several stages: a head tied to the embedding)
+  appears once: with `add` (gradients) the sum of its stages' values,
+
+  .. math:: g_w = \sum_{s \ni w} g_w^{(s)},
+
+  as Megatron's embedding group all-reduces it, else (weights, every copy
+  the same) the first stage's.
+  """
+  stage_trees = tuple(stage_trees)
+  if not _joinable(stage_trees, tied):
+    return stage_trees
+  tree = {}
+  for t in stage_trees:
+    tree = _merge(tree, t, add)
+  return tree
+
+
+def parts(tree, stage_trees, tied=frozenset()) -> tuple:
+  """`join`'s inverse: `tree`, shaped like `join(stage_trees)`, as one tree
+  per stage shaped like `stage_trees` (a tied leaf's one value on every
+  stage that holds it: one update applied on all)."""
+  stage_trees = tuple(stage_trees)
+  if not _joinable(stage_trees, tied):
+    return tuple(tree)
+
+  def like(t, shape):
+    return {k: like(t[k], v) for k, v in shape.items()} if isinstance(
+        shape, dict) else t
+
+  return tuple(like(tree, t) for t in stage_trees)
+
+
+def init_states(optimizer, scope: str, stage_params,
+                tied=frozenset()) -> list:
   """Per stage, the optimizer state it holds: its own tree's, or (scope
-  "model") a copy of the whole model's (the tuple of stage trees)."""
-  if scope == "model":
-    return [optimizer.init(tuple(stage_params))] * len(stage_params)
-  return [optimizer.init(p) for p in stage_params]
+  "model") a copy of the whole model's (`join` of the stage trees).
+
+  Raises:
+    ValueError: in one line, where the optimizer cannot initialise on the
+      tree it steps on (a mask or labels given as a tree that fits another),
+      or for invalid `tied` names (`check_tied`).
+  """
+  check_tied(stage_params, tied)
+  trees = ([join(stage_params, tied)] if scope == "model"
+           else list(stage_params))
+  states = []
+  for s, tree in enumerate(trees):
+    try:
+      states.append(optimizer.init(tree))
+    except (ValueError, TypeError, KeyError) as e:
+      where = "the whole model's" if scope == "model" else f"stage {s}'s"
+      raise ValueError(
+          f"the optimizer fails on {where} parameters ({type(e).__name__}: "
+          f"{str(e).splitlines()[0] if str(e) else ''}); valid: masks and "
+          "labels as functions of the parameters (optax takes a callable), "
+          "or optimizer_scope='model' (the whole module's tree)") from e
+  return states * len(stage_params) if scope == "model" else states

@@ -163,9 +163,21 @@ def bind_loss(loss_fn: Callable) -> Callable:
     own = None
     if isinstance(value, tuple):
       value, own = value
+    if jnp.shape(value):
+      raise ValueError(f"the loss function returned shape {jnp.shape(value)}; "
+                       "valid: a scalar, the mean over the micro-batch (e.g. "
+                       "`.mean()`)")
     return value + aux, _merge_metrics(metrics, own, "the loss function")
 
   return objective
+
+
+def evaluation_objective(loss_fn: Callable, out, target):
+  """What `evaluate` reports for a micro-batch: the loss of the last bound
+  stage's output without auxiliary terms, and the stages' and the loss
+  function's metrics, `(loss, metrics)`."""
+  y, (_, metrics) = out
+  return bind_loss(loss_fn)((y, (0.0, metrics)), target)
 
 
 def takes_extras(asked: frozenset) -> bool:

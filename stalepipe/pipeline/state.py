@@ -67,6 +67,8 @@ class PipelineState(NamedTuple):
   stage_state: tuple[packing.Flat, ...] | None = None  # dtype -> [D, P,
   #   L_state]: the stages' non-parameter states (`stage.py`), packed; None:
   #   no stage has one
+  drained: jax.Array | None = None  # bool []: True once `Pipeline.drain`
+  #   ran (such a state takes no further step); None before
 
 
 class TickCarry(NamedTuple):

@@ -39,6 +39,7 @@ from stalepipe.pipeline import packing
 from stalepipe.pipeline import placement as placement_lib
 from stalepipe.pipeline import program as program_lib
 from stalepipe.pipeline import residuals as residuals_lib
+from stalepipe.pipeline import scope as scope_lib
 from stalepipe.pipeline import split_backward as split_lib
 from stalepipe.pipeline import stage as stage_lib
 from stalepipe.pipeline.state import Buffers, TickCarry, WeightRing
@@ -80,6 +81,8 @@ class Stages(NamedTuple):
   #   trees together (gathered over 'stage'), else on each stage's own
   placement: placement_lib.Placement  # which stage sits in which slot of
   #   which device on 'stage' (`placement.py`)
+  tied: frozenset = frozenset()  # names of parameters several stages hold
+  #   (`scope.join`: their gradients summed, one update on every copy)
 
   @property
   def num_stages(self) -> int:
@@ -572,8 +575,8 @@ def optimizer_step(ctx: Stages, s: int, carry: TickCarry, grads, instr):
 def model_step(ctx: Stages, carries, grads, instr):
   """The optimizer on the whole model (`scope.py`): every stage's gradient,
   weights and extra arguments gathered over this device's slots and over
-  'stage', the rule stepped on the tuple of the S stage trees with the
-  whole model's state (each stage holds a copy). Every device computes the
+  'stage', the rule stepped on the whole model's tree (`scope.join` of the
+  S stage trees) with the whole model's state (each stage holds a copy). Every device computes the
   same update; returns the S new stage trees and the new state."""
   stages = ctx.placement.stages
 
@@ -585,17 +588,21 @@ def model_step(ctx: Stages, carries, grads, instr):
              for (d, j), s in np.ndenumerate(stages)}
     return tuple(trees[s] for s in range(ctx.num_stages))
 
-  current = whole([read_version(c.ring, 0) for c in carries])
+  stage_trees = whole([read_version(c.ring, 0) for c in carries])
+  join = functools.partial(scope_lib.join, tied=ctx.tied)
+  add = functools.partial(scope_lib.join, tied=ctx.tied, add=True)
+  current = join(stage_trees)
   kwargs = contract.extra_args(
       ctx.optimizer, ctx.stale_schedule,
-      stale_params=whole([read_version(c.ring, instr.update_lag)
-                          for c in carries]),
+      stale_params=join(whole([read_version(c.ring, instr.update_lag)
+                               for c in carries])),
       staleness=instr.update_staleness,
-      local_updates=whole([accumulated(c) for c in carries]))
+      local_updates=add(whole([accumulated(c) for c in carries])))
   updates, opt_state = ctx.optimizer.update(
-      whole(grads), ctx.opt.unpack(0, carries[0].opt_state), current,
+      add(whole(grads)), ctx.opt.unpack(0, carries[0].opt_state), current,
       **kwargs)
-  return optax.apply_updates(current, updates), opt_state
+  return (scope_lib.parts(optax.apply_updates(current, updates), stage_trees,
+                          ctx.tied), opt_state)
 
 
 def write_version(ring: WeightRing, params: packing.Flat, evict) -> WeightRing:
