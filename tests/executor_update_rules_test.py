@@ -75,6 +75,9 @@ _RULES = {
         optax.sgd(0.3, 0.9), staleness="minibatch"),
     "pipemare": lambda D: sp.optim.PipeMare(optax.sgd(0.3), warmup_steps=4,
                                             decay=0.5),
+    "gap_aware": lambda D: optax.chain(
+        sp.optim.gap_aware(0.3, form="sgd", momentum=0.9),
+        optax.sgd(0.3, 0.9)),
 }
 _NO_STASH = {"weight_stashing": False}
 # (rule, schedule, options, S, D, M): WP where SAPipe runs it (flush
@@ -82,7 +85,9 @@ _NO_STASH = {"weight_stashing": False}
 # without weight stashing (their setting), where a backward reads newer
 # weights than its forward (since_forward > 0), SpecTrain's paper staleness
 # with one micro-batch per minibatch (stages k >= 2 predict k // 2 further),
-# its per-minibatch one with two and with stashing, and PipeMare on nF1B.
+# its per-minibatch one with two and with stashing, PipeMare on nF1B, and
+# the 2025-26 rules on PipeDream with weight stashing (Gap-Aware's setting:
+# stale_params is the stash).
 _CASES = [pytest.param("wp1", "gpipe", {}, 1, 4, 2, marks=pytest.mark.slow),
           ("wp2", "1f1b", {}, 2, 2, 2),
           pytest.param("wp3", "gpipe", {}, 2, 2, 2, marks=pytest.mark.slow),
@@ -95,7 +100,8 @@ _CASES = [pytest.param("wp1", "gpipe", {}, 1, 4, 2, marks=pytest.mark.slow),
                        marks=pytest.mark.slow),
           pytest.param("pipemare", "timeprest", {}, 3, 1, 2,
                        marks=pytest.mark.slow),
-          ("pipemare", "pipedream", _NO_STASH, 3, 2, 2)]
+          ("pipemare", "pipedream", _NO_STASH, 3, 2, 2),
+          ("gap_aware", "pipedream", {}, 2, 1, 1)]
 
 
 @pytest.mark.parametrize("rule,name,options,S,D,M", _CASES)

@@ -17,6 +17,8 @@ from stalepipe.optim._basis_rotation import ScaleByBasisRotationState
 from stalepipe.optim._delay_compensation import compensate
 from stalepipe.optim._delay_compensation import delay_compensation
 from stalepipe.optim._delay_compensation import DelayCompensationState
+from stalepipe.optim._gap_aware import gap_aware
+from stalepipe.optim._gap_aware import GapAwareState
 from stalepipe.optim._masks import attention_mlp
 from stalepipe.optim._masks import MASKS
 from stalepipe.optim._nesterov import delay_aware_momentum
@@ -47,6 +49,8 @@ __all__ = (
     "delay_compensation",
     "delay_aware_momentum",
     "DelayCompensationState",
+    "gap_aware",
+    "GapAwareState",
     "MASKS",
     "minimal_stale_prefix",
     "PipeMare",
@@ -84,13 +88,15 @@ TRANSFORMS = registry.Registry("transform", {
     "scale_by_basis_rotation": scale_by_basis_rotation,
     "basis_rotation_adam": basis_rotation_adam,
     "wave_accumulation": wave_accumulation,
+    "gap_aware": gap_aware,
 })
 # The transforms that turn a gradient into an update direction (an
-# optimizer's scaling); the others correct the gradient itself. A config's
-# L2 decay joins the gradient before the first of these.
+# optimizer's scaling), and Gap-Aware, whose source divides the L2 term by
+# its penalty too; the others correct the gradient itself. A config's L2
+# decay joins the gradient before the first of these.
 DIRECTIONS = frozenset({
     "scale_by_variance_reduced_adam", "scale_by_async_nesterov",
-    "scale_by_basis_rotation", "basis_rotation_adam"})
+    "scale_by_basis_rotation", "basis_rotation_adam", "gap_aware"})
 WRAPPERS = registry.Registry("optimizer wrapper", {
     "WeightPrediction": WeightPrediction,
     "SpecTrain": SpecTrain,
