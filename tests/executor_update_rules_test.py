@@ -12,6 +12,7 @@ import stalepipe as sp
 from stalepipe.models.losses import cross_entropy
 from stalepipe.pipeline import executor
 from stalepipe.pipeline import reference
+from stalepipe.train import optimizers
 
 ATOL, RTOL = 3e-6, 2e-5
 
@@ -28,14 +29,14 @@ def _close(got, want):
     np.testing.assert_allclose(a, w, atol=ATOL, rtol=RTOL)
 
 
-def _run_both(schedule, optimizer, D, num_windows=3, seed=2):
+def _run_both(schedule, optimizer, D, num_windows=3, seed=2, **kwargs):
   S = schedule.num_stages
   staged = sp.models.split(sp.models.mlp(8, 6, max(S - 1, 1), 4, seed=seed), S)
   mesh = jax.make_mesh((D, S), ("data", "stage"))
   ex = executor.Pipeline(staged.stage_fns, cross_entropy, schedule, optimizer,
-                         mesh)
+                         mesh, **kwargs)
   ref = reference.Pipeline(staged.stage_fns, cross_entropy, schedule,
-                           optimizer, num_replicas=D)
+                           optimizer, num_replicas=D, **kwargs)
   es, rs = ex.init(staged.stage_params), ref.init(staged.stage_params)
   B, M = schedule.num_minibatches, schedule.num_microbatches
   for x, y in _windows(num_windows, B, M, 2 * D):
@@ -112,6 +113,18 @@ def test_update_rule_executor_equals_oracle(rule, name, options, S, D, M):
   # The rule really acts: without it (its inner optimizer) the run differs.
   inner = optax.sgd(0.3, 0.9) if rule != "pipemare" else optax.sgd(0.3)
   assert _differs(got, _plain(schedule, inner, staged, D))
+
+
+def test_muon_executor_equals_oracle_on_pipedream():
+  """Muon reduces over one leaf at most, so each stage's own tree is the
+  model's update; the scope is named because `optimizer_scope="auto"`
+  compares float32 Newton-Schulz runs, which differ by rounding (6e-6)."""
+  schedule = sp.schedules.make("pipedream", num_stages=2, num_microbatches=1,
+                               num_minibatches=2)
+  opt = optimizers.muon(0.05, mask="all_matrices")
+  staged, got = _run_both(schedule, opt, 1, optimizer_scope="stage")
+  assert _differs(got, _plain(schedule, optax.adamw(0.05, weight_decay=0.0),
+                              staged, 1))
 
 
 @pytest.mark.parametrize("S,same", [(2, True), (3, False)])

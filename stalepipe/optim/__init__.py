@@ -20,6 +20,7 @@ from stalepipe.optim._delay_compensation import DelayCompensationState
 from stalepipe.optim._gap_aware import gap_aware
 from stalepipe.optim._gap_aware import GapAwareState
 from stalepipe.optim._masks import attention_mlp
+from stalepipe.optim._masks import mask
 from stalepipe.optim._masks import MASKS
 from stalepipe.optim._nesterov import delay_aware_momentum
 from stalepipe.optim._nesterov import scale_by_async_nesterov
@@ -51,6 +52,7 @@ __all__ = (
     "DelayCompensationState",
     "gap_aware",
     "GapAwareState",
+    "mask",
     "MASKS",
     "minimal_stale_prefix",
     "PipeMare",

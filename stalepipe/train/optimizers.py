@@ -74,7 +74,77 @@ def _optax_optimizers() -> dict[str, Callable[..., Any]]:
   return dict(sorted(found.items()))
 
 
-OPTIMIZERS = registry.Registry("optimizer", _optax_optimizers())
+def muon(learning_rate: optax.ScalarOrSchedule, *, mask: Any = None,
+         **kwargs: Any) -> optax.GradientTransformation:
+  r"""`optax.contrib.muon`, its Newton-Schulz leaves chosen by a named mask.
+
+  On each selected matrix Muon orthogonalises a Nesterov momentum:
+
+  .. math::
+    m_t = \beta m_{t-1} + (1-\beta) g_t, \quad
+    M = \beta \frac{m_t}{1-\beta^{t+1}} + (1-\beta) \frac{g_t}{1-\beta^t},
+    \quad u = -\eta \sqrt{\max(1, n_{out}/n_{in})}\ \mathrm{NS}_5(M)
+
+  with :math:`\mathrm{NS}_5` five quintic Newton-Schulz steps
+  :math:`X \leftarrow aX + (bA + cA^2)X`, :math:`A = XX^\top`,
+  :math:`(a, b, c) = (3.4445, -4.7750, 2.0315)`, from
+  :math:`X = M / (\lVert M\rVert_F + \epsilon)` (on :math:`M^\top` when it
+  has more rows than columns). Every other leaf gets AdamW, as the Muon
+  recipe gives embeddings, head, norms and biases to Adam.
+
+  Args:
+    learning_rate: :math:`\eta`, a number or an optax schedule.
+    mask: which leaves get Newton-Schulz: a name from `optim.MASKS`
+      (`"attention_mlp"`, `"all_matrices"`), a pytree of bools like the
+      params, or a callable returning one; None is optax's default (every
+      2-D leaf). Each selected leaf must be 2-D.
+    **kwargs: the other keyword arguments of `optax.contrib.muon` (`beta`,
+      `ns_steps`, `nesterov`, `weight_decay`, `adam_b1`, ...), except
+      `muon_weight_dimension_numbers`, which `mask` sets.
+
+  Returns:
+    `optax.contrib.muon(learning_rate, muon_weight_dimension_numbers=...,
+    **kwargs)`.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> params = {"fc": {"kernel": jnp.ones((3, 4))},
+    ...           "head": {"kernel": jnp.ones((4, 2))}}
+    >>> opt = muon(0.02, mask="attention_mlp")
+    >>> updates, _ = opt.update(params, opt.init(params), params)
+    >>> # the head is Adam's, Nesterov too: -lr (1 + b1 (1 - b1) / (1 - b1^2))
+    >>> round(float(updates["head"]["kernel"][0, 0]), 4)
+    -0.0295
+
+  References:
+    Jordan et al, `Muon: An optimizer for hidden layers in neural networks
+    <https://kellerjordan.github.io/posts/muon/>`_, 2024; optax 0.2.8
+    `optax/contrib/_muon.py` (`muon`, lines 519-727; the coefficients, line
+    42; Nesterov momentum, lines 486-497; the iteration, lines 239-250).
+  """
+  taken = inspect.signature(optax.contrib.muon).parameters
+  for key in kwargs:
+    if key not in taken or key in ("learning_rate",
+                                   "muon_weight_dimension_numbers"):
+      raise ValueError(f"muon takes no {key!r} here; valid: mask, "
+                       + ", ".join(k for k in taken if k not in (
+                           "muon_weight_dimension_numbers",)))
+  dims = None
+  if mask is not None:
+    select = optim.mask(mask)
+
+    def dims(params):
+      chosen = select(params) if callable(select) else select
+      return jax.tree.map(
+          lambda c: optax.contrib.MuonDimensionNumbers() if c else None,
+          chosen)
+  return optax.contrib.muon(learning_rate, muon_weight_dimension_numbers=dims,
+                            **kwargs)
+
+
+# optax's top-level optimizers, and Muon from optax.contrib with a named mask.
+OPTIMIZERS = registry.Registry("optimizer", {**_optax_optimizers(),
+                                             "muon": muon})
 SCHEDULES = registry.Registry("schedule", {
     name: obj for name, obj in vars(optax.schedules).items()
     if not name.startswith("_") and name not in _NOT_FROM_A_CONFIG
