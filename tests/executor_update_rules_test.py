@@ -79,6 +79,10 @@ _RULES = {
     "gap_aware": lambda D: optax.chain(
         sp.optim.gap_aware(0.3, form="sgd", momentum=0.9),
         optax.sgd(0.3, 0.9)),
+    "dc_asgd_ema": lambda D: optax.chain(sp.optim.dc_asgd_ema(1.0),
+                                         optax.sgd(0.3, 0.9)),
+    "weight_pred": lambda D: sp.optim.SpecTrain(
+        optax.sgd(0.3, 0.9), staleness="minibatch", horizon_scale=0.5),
 }
 _NO_STASH = {"weight_stashing": False}
 # (rule, schedule, options, S, D, M): WP where SAPipe runs it (flush
@@ -87,8 +91,9 @@ _NO_STASH = {"weight_stashing": False}
 # weights than its forward (since_forward > 0), SpecTrain's paper staleness
 # with one micro-batch per minibatch (stages k >= 2 predict k // 2 further),
 # its per-minibatch one with two and with stashing, PipeMare on nF1B, and
-# the 2025-26 rules on PipeDream with weight stashing (Gap-Aware's setting:
-# stale_params is the stash).
+# the 2025-26 rules on PipeDream with weight stashing (Gap-Aware's and
+# marin's delay correctors: stale_params is the stash; marin's weight_pred
+# predicts each task to its minibatch's update, half the horizon).
 _CASES = [pytest.param("wp1", "gpipe", {}, 1, 4, 2, marks=pytest.mark.slow),
           ("wp2", "1f1b", {}, 2, 2, 2),
           pytest.param("wp3", "gpipe", {}, 2, 2, 2, marks=pytest.mark.slow),
@@ -102,7 +107,9 @@ _CASES = [pytest.param("wp1", "gpipe", {}, 1, 4, 2, marks=pytest.mark.slow),
           pytest.param("pipemare", "timeprest", {}, 3, 1, 2,
                        marks=pytest.mark.slow),
           ("pipemare", "pipedream", _NO_STASH, 3, 2, 2),
-          ("gap_aware", "pipedream", {}, 2, 1, 1)]
+          ("gap_aware", "pipedream", {}, 2, 1, 1),
+          ("dc_asgd_ema", "pipedream", {}, 2, 1, 1),
+          ("weight_pred", "pipedream", {}, 2, 1, 1)]
 
 
 @pytest.mark.parametrize("rule,name,options,S,D,M", _CASES)

@@ -15,6 +15,7 @@ from stalepipe.optim._basis_rotation import basis_rotation_adam
 from stalepipe.optim._basis_rotation import scale_by_basis_rotation
 from stalepipe.optim._basis_rotation import ScaleByBasisRotationState
 from stalepipe.optim._delay_compensation import compensate
+from stalepipe.optim._delay_compensation import dc_asgd_ema
 from stalepipe.optim._delay_compensation import delay_compensation
 from stalepipe.optim._delay_compensation import DelayCompensationState
 from stalepipe.optim._gap_aware import gap_aware
@@ -47,6 +48,7 @@ __all__ = (
     "attention_mlp",
     "basis_rotation_adam",
     "compensate",
+    "dc_asgd_ema",
     "delay_compensation",
     "delay_aware_momentum",
     "DelayCompensationState",
@@ -84,6 +86,7 @@ __all__ = (
 TRANSFORMS = registry.Registry("transform", {
     "stale_gradients": stale_gradients,
     "delay_compensation": delay_compensation,
+    "dc_asgd_ema": dc_asgd_ema,
     "scale_by_staleness": scale_by_staleness,
     "scale_by_variance_reduced_adam": scale_by_variance_reduced_adam,
     "scale_by_async_nesterov": scale_by_async_nesterov,
