@@ -14,6 +14,7 @@ import optax
 import pytest
 
 import stalepipe as sp
+from stalepipe.train import optimizers
 
 _A = np.random.default_rng(0).normal(size=(6, 5))
 _Y = np.random.default_rng(1).normal(size=(8, 6))
@@ -114,17 +115,43 @@ def test_adam_form_equals_ftpipe_over_steps(delay, wd):
   assert np.abs(got - plain).max() > 1e-3
 
 
-def test_config_chain_puts_l2_before_gap_aware():
-  """`weight_decay_mode="l2"` divides the decay by the penalty, as FTPipe."""
-  from stalepipe.train import optimizers  # pylint: disable=g-import-not-at-top
+def test_config_chain_mirrors_the_optimizer_and_puts_l2_before_gap_aware():
+  """From a config `gap_aware` takes the optimizer's form, learning rate
+  (schedule) and moments; `weight_decay_mode="l2"` divides the decay by the
+  penalty, as FTPipe."""
   x0 = np.random.default_rng(4).normal(size=5)
-  built = optimizers.make((("gap_aware", {"learning_rate": 0.02,
-                                          "form": "sgd", "momentum": 0.9}),),
-                          "sgd", {"learning_rate": 0.02, "momentum": 0.9},
-                          weight_decay=0.05, weight_decay_mode="l2")
-  want = _ftpipe_sgd(x0, [0.02] * 9, 8, 1, 0.9, 0.05)
+  sched = ("piecewise_constant_schedule", {
+      "init_value": 0.02, "boundaries_and_scales": {2: 2.5, 4: 0.6, 6: 1 / 3}})
+  built = optimizers.make((("gap_aware", {}),), "sgd",
+                          {"learning_rate": 0.5, "momentum": 0.9},
+                          lr_schedule=sched, weight_decay=0.05,
+                          weight_decay_mode="l2")
+  want = _ftpipe_sgd(x0, _LRS, 8, 1, 0.9, 0.05)
   np.testing.assert_allclose(_jax_run(built, x0, 8, 1), want, rtol=1e-10,
                              atol=1e-12)
+  built = optimizers.make((("gap_aware", {}),), "adam",
+                          {"learning_rate": 0.02, "b1": 0.8})
+  want = _jax_run(optax.chain(sp.optim.gap_aware(0.02, b1=0.8),
+                              optax.adam(0.02, b1=0.8)), x0, 8, 2)
+  np.testing.assert_array_equal(_jax_run(built, x0, 8, 2), want)
+
+
+@pytest.mark.parametrize("kwargs,optimizer,opt_kwargs,match", [
+    ({"learning_rate": 0.1}, "adam", {"learning_rate": 0.02},
+     "'gap_aware' learning_rate=0.1 is invalid with optimizer 'adam'; valid: "
+     "its learning_rate, 0.02"),
+    ({"form": "sgd"}, "adamw", {"learning_rate": 0.02},
+     "form='sgd' is invalid with optimizer 'adamw'; valid: its form, 'adam'"),
+    ({"b2": 0.99}, "adam", {"learning_rate": 0.02}, "b2=0.99 is invalid"),
+    ({}, "adam", {"learning_rate": 0.02, "nesterov": True},
+     "valid: optimizer sgd, or adam/adamw without nesterov or eps_root"),
+    ({}, "lion", {"learning_rate": 0.02}, "with optimizer 'lion'"),
+])
+def test_config_refuses_a_gap_aware_that_does_not_mirror_its_optimizer(
+    kwargs, optimizer, opt_kwargs, match):
+  with pytest.raises(ValueError, match=match) as err:
+    optimizers.make((("gap_aware", kwargs),), optimizer, opt_kwargs)
+  assert "\n" not in str(err.value)
 
 
 def test_fresh_gradient_passes_unchanged_in_float32():

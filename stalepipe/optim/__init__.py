@@ -102,6 +102,9 @@ TRANSFORMS = registry.Registry("transform", {
 DIRECTIONS = frozenset({
     "scale_by_variance_reduced_adam", "scale_by_async_nesterov",
     "scale_by_basis_rotation", "basis_rotation_adam", "gap_aware"})
+# Transforms that keep the optimizer's own statistics: a config gives them
+# the optimizer's learning rate and moment settings (`train.optimizers.make`).
+MIRRORS = frozenset({"gap_aware"})
 WRAPPERS = registry.Registry("optimizer wrapper", {
     "WeightPrediction": WeightPrediction,
     "SpecTrain": SpecTrain,

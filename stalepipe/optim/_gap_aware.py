@@ -75,7 +75,8 @@ def gap_aware(
   are those of the optimizer after it when that optimizer is
   `optax.adam(learning_rate, b1, b2, eps)` (`form="adam"`) or
   `optax.sgd(learning_rate, momentum)` (`form="sgd"`) with the same
-  arguments. Where a gradient is fresh (:math:`\theta_{stash} = \theta`, or
+  arguments (a config gives it the optimizer's, `optim.MIRRORS`). Where a
+  gradient is fresh (:math:`\theta_{stash} = \theta`, or
   no `stale_params` from a pipeline executor) :math:`\phi = 1` and the
   gradient passes unchanged; the statistics are updated at every call, as
   FTPipe's optimizer records every step. A learning rate of 0 leaves the

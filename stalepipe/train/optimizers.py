@@ -28,6 +28,11 @@ gives, in this order,
 direction (`optim.DIRECTIONS`: `scale_by_async_nesterov`,
 `scale_by_basis_rotation`, ...), as it joins the gradient inside the
 optimizer in the rules' sources.
+A transform that keeps the optimizer's own statistics (`optim.MIRRORS`:
+`gap_aware`) gets the optimizer's form (`sgd`, or `adam`/`adamw`),
+learning rate (the schedule, with `lr_schedule`) and moment settings
+(`momentum`; `b1`, `b2`, `eps`), and a config that gives it different ones
+is refused.
 
 Each name is looked up in one registry (`stalepipe.registry.Registry`):
 transforms in `stalepipe.optim.TRANSFORMS`, wrappers in
@@ -168,6 +173,46 @@ def _with_workers(registry_: registry.Registry, name: str,
   return kwargs
 
 
+# What a transform of `optim.MIRRORS` mirrors: the optimizer's form, and the
+# settings it shares with the optimizer.
+_MIRRORED_FORMS = {"sgd": "sgd", "adam": "adam", "adamw": "adam"}
+_MIRRORED_KEYS = ("learning_rate", "b1", "b2", "eps", "momentum")
+
+
+def _mirrored(name: str, kwargs: dict[str, Any], optimizer: str,
+              optimizer_kwargs: dict[str, Any]) -> dict[str, Any]:
+  """`kwargs` of a transform that mirrors the optimizer's statistics
+  (`optim.MIRRORS`, Gap-Aware), with the optimizer's form and settings.
+
+  Raises:
+    ValueError: in one line, for an optimizer it cannot mirror, or a setting
+      the config gives the transform that differs from the optimizer's.
+  """
+  plain = {"nesterov": False, "eps_root": 0.0}
+  if optimizer not in _MIRRORED_FORMS or (
+      optimizer != "sgd" and any(optimizer_kwargs.get(k, v) != v
+                                 for k, v in plain.items())):
+    raise ValueError(f"transform {name!r} with optimizer {optimizer!r} "
+                     f"{optimizer_kwargs} is invalid; valid: optimizer sgd, "
+                     "or adam/adamw without nesterov or eps_root")
+  taken = optim.TRANSFORMS.keys(name)
+  params = inspect.signature(OPTIMIZERS.factory(optimizer)).parameters
+  wanted = {"form": _MIRRORED_FORMS[optimizer]} if "form" in taken else {}
+  for key in _MIRRORED_KEYS:
+    if key not in taken or key not in params:
+      continue
+    value = optimizer_kwargs.get(key, params[key].default)
+    if value is inspect.Parameter.empty:
+      continue
+    wanted[key] = 0.0 if key == "momentum" and value is None else value
+  for key, value in wanted.items():
+    if key in kwargs and kwargs[key] is not value and kwargs[key] != value:
+      raise ValueError(f"transform {name!r} {key}={kwargs[key]!r} is "
+                       f"invalid with optimizer {optimizer!r}; valid: its "
+                       f"{key}, {value!r} (or leave it out)")
+  return {**kwargs, **wanted}
+
+
 def make_schedule(entry: tuple[str, dict[str, Any]]) -> optax.Schedule:
   """An optax schedule from `(name, kwargs)`, e.g. warm-up plus cosine.
 
@@ -301,6 +346,8 @@ def make(
     name, kwargs = _entry(entry, "transform")
     if name in optim.DIRECTIONS:
       chain, l2 = chain + l2, []
+    if name in optim.MIRRORS:
+      kwargs = _mirrored(name, kwargs, optimizer, optimizer_kwargs)
     chain.append(optim.TRANSFORMS.make(
         name, **_with_workers(optim.TRANSFORMS, name, kwargs, num_replicas)))
   chain += l2
