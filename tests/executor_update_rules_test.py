@@ -12,6 +12,7 @@ import stalepipe as sp
 from stalepipe.models.losses import cross_entropy
 from stalepipe.pipeline import executor
 from stalepipe.pipeline import reference
+from stalepipe.train import optimizers
 
 ATOL, RTOL = 3e-6, 2e-5
 
@@ -28,14 +29,14 @@ def _close(got, want):
     np.testing.assert_allclose(a, w, atol=ATOL, rtol=RTOL)
 
 
-def _run_both(schedule, optimizer, D, num_windows=3, seed=2):
+def _run_both(schedule, optimizer, D, num_windows=3, seed=2, **kwargs):
   S = schedule.num_stages
   staged = sp.models.split(sp.models.mlp(8, 6, max(S - 1, 1), 4, seed=seed), S)
   mesh = jax.make_mesh((D, S), ("data", "stage"))
   ex = executor.Pipeline(staged.stage_fns, cross_entropy, schedule, optimizer,
-                         mesh)
+                         mesh, **kwargs)
   ref = reference.Pipeline(staged.stage_fns, cross_entropy, schedule,
-                           optimizer, num_replicas=D)
+                           optimizer, num_replicas=D, **kwargs)
   es, rs = ex.init(staged.stage_params), ref.init(staged.stage_params)
   B, M = schedule.num_minibatches, schedule.num_microbatches
   for x, y in _windows(num_windows, B, M, 2 * D):
@@ -75,6 +76,13 @@ _RULES = {
         optax.sgd(0.3, 0.9), staleness="minibatch"),
     "pipemare": lambda D: sp.optim.PipeMare(optax.sgd(0.3), warmup_steps=4,
                                             decay=0.5),
+    "gap_aware": lambda D: optax.chain(
+        sp.optim.gap_aware(0.3, form="sgd", momentum=0.9),
+        optax.sgd(0.3, 0.9)),
+    "dc_asgd_ema": lambda D: optax.chain(sp.optim.dc_asgd_ema(1.0),
+                                         optax.sgd(0.3, 0.9)),
+    "weight_pred": lambda D: sp.optim.SpecTrain(
+        optax.sgd(0.3, 0.9), staleness="minibatch", horizon_scale=0.5),
 }
 _NO_STASH = {"weight_stashing": False}
 # (rule, schedule, options, S, D, M): WP where SAPipe runs it (flush
@@ -82,7 +90,10 @@ _NO_STASH = {"weight_stashing": False}
 # without weight stashing (their setting), where a backward reads newer
 # weights than its forward (since_forward > 0), SpecTrain's paper staleness
 # with one micro-batch per minibatch (stages k >= 2 predict k // 2 further),
-# its per-minibatch one with two and with stashing, and PipeMare on nF1B.
+# its per-minibatch one with two and with stashing, PipeMare on nF1B, and
+# the 2025-26 rules on PipeDream with weight stashing (Gap-Aware's and
+# marin's delay correctors: stale_params is the stash; marin's weight_pred
+# predicts each task to its minibatch's update, half the horizon).
 _CASES = [pytest.param("wp1", "gpipe", {}, 1, 4, 2, marks=pytest.mark.slow),
           ("wp2", "1f1b", {}, 2, 2, 2),
           pytest.param("wp3", "gpipe", {}, 2, 2, 2, marks=pytest.mark.slow),
@@ -95,7 +106,10 @@ _CASES = [pytest.param("wp1", "gpipe", {}, 1, 4, 2, marks=pytest.mark.slow),
                        marks=pytest.mark.slow),
           pytest.param("pipemare", "timeprest", {}, 3, 1, 2,
                        marks=pytest.mark.slow),
-          ("pipemare", "pipedream", _NO_STASH, 3, 2, 2)]
+          ("pipemare", "pipedream", _NO_STASH, 3, 2, 2),
+          ("gap_aware", "pipedream", {}, 2, 1, 1),
+          ("dc_asgd_ema", "pipedream", {}, 2, 1, 1),
+          ("weight_pred", "pipedream", {}, 2, 1, 1)]
 
 
 @pytest.mark.parametrize("rule,name,options,S,D,M", _CASES)
@@ -106,6 +120,18 @@ def test_update_rule_executor_equals_oracle(rule, name, options, S, D, M):
   # The rule really acts: without it (its inner optimizer) the run differs.
   inner = optax.sgd(0.3, 0.9) if rule != "pipemare" else optax.sgd(0.3)
   assert _differs(got, _plain(schedule, inner, staged, D))
+
+
+def test_muon_executor_equals_oracle_on_pipedream():
+  """Muon reduces over one leaf at most, so each stage's own tree is the
+  model's update; the scope is named because `optimizer_scope="auto"`
+  compares float32 Newton-Schulz runs, which differ by rounding (6e-6)."""
+  schedule = sp.schedules.make("pipedream", num_stages=2, num_microbatches=1,
+                               num_minibatches=2)
+  opt = optimizers.muon(0.05, mask="all_matrices")
+  staged, got = _run_both(schedule, opt, 1, optimizer_scope="stage")
+  assert _differs(got, _plain(schedule, optax.adamw(0.05, weight_decay=0.0),
+                              staged, 1))
 
 
 @pytest.mark.parametrize("S,same", [(2, True), (3, False)])

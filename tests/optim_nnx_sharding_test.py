@@ -48,6 +48,9 @@ CASES = {
     "dc_diagonal_ema": (lambda: optax.chain(
         sp.optim.stale_gradients(1),
         sp.optim.delay_compensation(0.2, adaptive="ema"), _sgd()), {}),
+    "dc_asgd_ema": (lambda: optax.chain(
+        sp.optim.stale_gradients(1), sp.optim.dc_asgd_ema(0.2, delay=1),
+        _sgd()), {}),
     "wp_option3": (lambda: _wrapped(sp.optim.WeightPrediction(
         _sgd(), 3, num_workers=2, lam=0.2)), {}),
     "wp_adam": (lambda: _wrapped(sp.optim.WeightPrediction(

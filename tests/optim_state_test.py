@@ -53,6 +53,13 @@ CASES = {
         sp.optim.stale_gradients(1),
         sp.optim.scale_by_async_nesterov(delay=1, num_stages=4),
         optax.scale_by_learning_rate(1e-2)),
+    "gap_aware_adam": lambda: optax.chain(sp.optim.gap_aware(1e-2),
+                                          optax.adam(1e-2)),
+    "gap_aware_sgd": lambda: optax.chain(
+        sp.optim.gap_aware(0.05, form="sgd", momentum=0.9), _sgd()),
+    "dc_asgd_ema": lambda: optax.chain(
+        sp.optim.stale_gradients(1), sp.optim.dc_asgd_ema(0.2, delay=1),
+        _sgd()),
 }
 N = 8  # devices, all on one mesh axis "d"
 
@@ -69,7 +76,7 @@ def _grad(params, t):
 
 
 def _extra(name, params):
-  if name == "dc_full_current_delay0":
+  if name == "dc_full_current_delay0" or name.startswith("gap_aware"):
     return {"stale_params": jax.tree.map(lambda x: 0.9 * x, params)}
   return {}
 

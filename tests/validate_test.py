@@ -207,3 +207,14 @@ def test_method_configs_with_optimizer_parts_pass():
   for name in ("sapipe", "spectrain", "pipemare"):
     validate.check(runpy.run_path(str(ROOT / "configs" / f"{name}.py"))[
         "get_config"]())
+
+
+def test_a_mirroring_transform_takes_the_optimizers_learning_rate():
+  """`gap_aware` (optim.MIRRORS) gets the optimizer's learning rate from
+  `optimizers.make`; a transform outside MIRRORS must still name its own."""
+  config = default.get_config()
+  config.transforms = (("gap_aware", {}),)
+  validate.check(config)
+  config.transforms = (("basis_rotation_adam", {}),)
+  with pytest.raises(ValueError, match="learning_rate is missing"):
+    validate.check(config)

@@ -16,9 +16,13 @@ from stalepipe.optim._basis_rotation import scale_by_basis_rotation
 from stalepipe.optim._basis_rotation import ScaleByBasisRotationState
 from stalepipe.optim._clipping import clip_by_group_norm
 from stalepipe.optim._delay_compensation import compensate
+from stalepipe.optim._delay_compensation import dc_asgd_ema
 from stalepipe.optim._delay_compensation import delay_compensation
 from stalepipe.optim._delay_compensation import DelayCompensationState
+from stalepipe.optim._gap_aware import gap_aware
+from stalepipe.optim._gap_aware import GapAwareState
 from stalepipe.optim._masks import attention_mlp
+from stalepipe.optim._masks import mask
 from stalepipe.optim._masks import MASKS
 from stalepipe.optim._nesterov import delay_aware_momentum
 from stalepipe.optim._nesterov import scale_by_async_nesterov
@@ -46,9 +50,13 @@ __all__ = (
     "basis_rotation_adam",
     "clip_by_group_norm",
     "compensate",
+    "dc_asgd_ema",
     "delay_compensation",
     "delay_aware_momentum",
     "DelayCompensationState",
+    "gap_aware",
+    "GapAwareState",
+    "mask",
     "MASKS",
     "minimal_stale_prefix",
     "PipeMare",
@@ -81,19 +89,25 @@ TRANSFORMS = registry.Registry("transform", {
     "stale_gradients": stale_gradients,
     "clip_by_group_norm": clip_by_group_norm,
     "delay_compensation": delay_compensation,
+    "dc_asgd_ema": dc_asgd_ema,
     "scale_by_staleness": scale_by_staleness,
     "scale_by_variance_reduced_adam": scale_by_variance_reduced_adam,
     "scale_by_async_nesterov": scale_by_async_nesterov,
     "scale_by_basis_rotation": scale_by_basis_rotation,
     "basis_rotation_adam": basis_rotation_adam,
     "wave_accumulation": wave_accumulation,
+    "gap_aware": gap_aware,
 })
 # The transforms that turn a gradient into an update direction (an
-# optimizer's scaling); the others correct the gradient itself. A config's
-# L2 decay joins the gradient before the first of these.
+# optimizer's scaling), and Gap-Aware, whose source divides the L2 term by
+# its penalty too; the others correct the gradient itself. A config's L2
+# decay joins the gradient before the first of these.
 DIRECTIONS = frozenset({
     "scale_by_variance_reduced_adam", "scale_by_async_nesterov",
-    "scale_by_basis_rotation", "basis_rotation_adam"})
+    "scale_by_basis_rotation", "basis_rotation_adam", "gap_aware"})
+# Transforms that keep the optimizer's own statistics: a config gives them
+# the optimizer's learning rate and moment settings (`train.optimizers.make`).
+MIRRORS = frozenset({"gap_aware"})
 WRAPPERS = registry.Registry("optimizer wrapper", {
     "WeightPrediction": WeightPrediction,
     "SpecTrain": SpecTrain,

@@ -10,7 +10,7 @@ import optax
 from stalepipe.optim import _buffers
 from stalepipe.optim import _ordering
 
-FORMS = ("diagonal", "full")
+FORMS = ("diagonal", "full", "ema")
 ADAPTIVE = (None, "ema", "current")
 
 
@@ -35,6 +35,9 @@ def check_form(form: str, adaptive: Optional[str]) -> None:
     raise ValueError(f"form={form!r} is invalid; valid: {FORMS}")
   if adaptive not in ADAPTIVE:
     raise ValueError(f"adaptive={adaptive!r} is invalid; valid: {ADAPTIVE}")
+  if form == "ema" and adaptive is not None:
+    raise ValueError(f"form='ema' with adaptive={adaptive!r} is invalid; "
+                     "valid: adaptive=None")
 
 
 def compensate(
@@ -52,10 +55,13 @@ def compensate(
   .. math::
     \mathrm{DC}_\lambda(g, \Delta x) = g + \lambda\, g \circ g \circ \Delta x
     \quad\text{(diagonal)}, \qquad
-    g + \lambda\, g\, \langle g, \Delta x \rangle \quad\text{(full)}
+    g + \lambda\, g\, \langle g, \Delta x \rangle \quad\text{(full)}, \qquad
+    g + \lambda\, MS \circ \Delta x \quad\text{(ema)}
 
   the full form being :math:`g + \lambda g g^\top \Delta x` without the
-  matrix, its inner product taken over the whole pytree. Adaptive `lam`:
+  matrix, its inner product taken over the whole pytree; the `"ema"` form
+  (marin's `dc_asgd_ema`) reads the curvature :math:`g \circ g` from its
+  EMA :math:`MS` (`mean_square`). Adaptive `lam`:
   `"ema"` divides it elementwise by :math:`\sqrt{MS + \epsilon}` (DC-ASGD-a,
   `mean_square` is :math:`MS`); `"current"` by :math:`\sqrt{g^2+\epsilon}`
   (diagonal) or :math:`\sqrt{\lVert g\rVert^2+\epsilon}` (full). With
@@ -66,10 +72,10 @@ def compensate(
     grads: the stale gradient :math:`g`.
     dx: :math:`x_{now} - x_{then}`, same structure.
     lam: :math:`\lambda`, a scalar.
-    form: `"diagonal"` or `"full"`.
-    adaptive: `None`, `"ema"` or `"current"`.
+    form: `"diagonal"`, `"full"` or `"ema"`.
+    adaptive: `None`, `"ema"` or `"current"` (`None` with `form="ema"`).
     eps: :math:`\epsilon` of the adaptive forms.
-    mean_square: :math:`MS`, needed when `adaptive="ema"`.
+    mean_square: :math:`MS`, needed when `adaptive="ema"` or `form="ema"`.
 
   Returns:
     The compensated gradient.
@@ -88,11 +94,13 @@ def compensate(
     Chen et al, SAPipe (seed 004) §3.2 eq. (1), 2022.
   """
   check_form(form, adaptive)
-  if adaptive == "ema" and mean_square is None:
-    raise ValueError("adaptive='ema' needs mean_square=; valid: a pytree like "
-                     "grads")
+  if "ema" in (adaptive, form) and mean_square is None:
+    raise ValueError("adaptive='ema' or form='ema' needs mean_square=; valid: "
+                     "a pytree like grads")
   lam = jnp.asarray(lam)
-  if adaptive == "ema":
+  if form == "ema":
+    lams = jax.tree.map(lambda ms: lam * _wide(ms), mean_square)
+  elif adaptive == "ema":
     lams = jax.tree.map(lambda ms: lam / jnp.sqrt(_wide(ms) + eps), mean_square)
   elif adaptive == "current" and form == "diagonal":
     lams = jax.tree.map(lambda g: lam / jnp.sqrt(jnp.square(_wide(g)) + eps),
@@ -107,6 +115,9 @@ def compensate(
     def one(g, d, lam_g):
       g32 = _wide(g)
       return (g32 + lam_g * g32 * g32 * _wide(d)).astype(g.dtype)
+  elif form == "ema":  # lam_g is lam * MS
+    def one(g, d, lam_g):
+      return (_wide(g) + lam_g * _wide(d)).astype(g.dtype)
   else:
     inner = _inner(grads, dx)
 
@@ -126,7 +137,8 @@ class DelayCompensationState(NamedTuple):
   # Per leaf [delay, *leaf.shape], sharded like the leaf: the last params
   # seen; `optax.EmptyState()` when delay=0.
   history: optax.Params
-  # Like params: the EMA of g*g when adaptive="ema", else `optax.EmptyState()`.
+  # Like params: the EMA of g*g when adaptive="ema" or form="ema", else
+  # `optax.EmptyState()`.
   mean_square: optax.Updates
 
 
@@ -148,8 +160,13 @@ def delay_compensation(
   .. math::
     g \leftarrow g + \lambda\, g \circ g \circ \Delta x \ \text{(diagonal)},
     \qquad g \leftarrow g + \lambda\, \langle g, \Delta x\rangle\, g
-    \ \text{(full, SAPipe eq. 1)}
+    \ \text{(full, SAPipe eq. 1)},
+    \qquad g \leftarrow g + \lambda\, MS \circ \Delta x \ \text{(ema)}
 
+  `form="ema"` is marin's `dc_asgd_ema` corrector (`dc_asgd_ema`): the
+  curvature
+  :math:`g \circ g` replaced by its EMA :math:`MS \leftarrow \beta MS +
+  (1-\beta) g^2`, updated with the current gradient first.
   `adaptive="ema"` (DC-ASGD-a) divides :math:`\lambda` elementwise by
   :math:`\sqrt{MS+\epsilon}`, :math:`MS \leftarrow \beta MS + (1-\beta) g^2`
   updated with the current gradient first (:math:`\beta` = `decay`);
@@ -161,7 +178,8 @@ def delay_compensation(
   Args:
     lam: :math:`\lambda >= 0`; may be injected with `optax.inject_hyperparams`
       (pass `static_args=("delay",)` there).
-    form: `"diagonal"` or `"full"`; the full form never builds a matrix.
+    form: `"diagonal"`, `"full"` or `"ema"`; the full form never builds a
+      matrix.
     delay: calls between the gradient's weights and now, used when
       `stale_params` is not given; `delay=0` keeps no history and then
       requires `stale_params`, except from a pipeline executor (which passes
@@ -170,7 +188,8 @@ def delay_compensation(
       on `params`, and passes unchanged (:math:`\Delta x = 0`).
     adaptive: `None`, `"ema"` or `"current"`.
     eps: :math:`\epsilon` of the adaptive forms.
-    decay: :math:`\beta` of the `"ema"` mean square.
+    decay: :math:`\beta` of the mean square :math:`MS` (`adaptive="ema"`,
+      `form="ema"`).
 
   Returns:
     An `optax.GradientTransformationExtraArgs`; its update takes `params` and
@@ -206,7 +225,7 @@ def delay_compensation(
     if delay:
       history = _buffers.zeros_stacks(params, delay)
     mean_square = optax.EmptyState()
-    if adaptive == "ema":
+    if "ema" in (adaptive, form):
       mean_square = optax.tree.zeros_like(params)
     return DelayCompensationState(jnp.zeros([], jnp.int32), history, mean_square)
 
@@ -230,7 +249,7 @@ def delay_compensation(
     dx = jax.tree.map(lambda x, y: _wide(x) - _wide(y), params, then)
 
     mean_square = state.mean_square
-    if adaptive == "ema":
+    if "ema" in (adaptive, form):
       mean_square = jax.tree.map(
           lambda ms, g: (decay * _wide(ms) + (1 - decay) * jnp.square(_wide(g))
                          ).astype(ms.dtype), state.mean_square, updates)
@@ -242,7 +261,7 @@ def delay_compensation(
       # After the last read of the old history (the inner product of the full
       # form, the compensated gradient of the diagonal one), so XLA updates
       # the donated history in place instead of copying it in and out.
-      last_read = out if form == "diagonal" else _inner(updates, dx)
+      last_read = out if form != "full" else _inner(updates, dx)
       params = _ordering.computed_after(params, last_read)
       history = jax.tree.map(lambda h, x: h.at[slot].set(x.astype(h.dtype)),
                              state.history, params)
@@ -250,3 +269,53 @@ def delay_compensation(
         optax.safe_increment(state.count), history, mean_square)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def dc_asgd_ema(
+    lam: chex.Numeric = 1.0,
+    *,
+    decay: float = 0.99,
+    delay: int = 0,
+) -> optax.GradientTransformationExtraArgs:
+  r"""marin's `dc_asgd_ema` corrector: DC-ASGD with its curvature from an EMA of :math:`g^2`.
+
+  .. math::
+    MS \leftarrow \beta\, MS + (1-\beta)\, g \circ g, \qquad
+    g \leftarrow g + \lambda\, MS \circ (x_{now} - x_{then})
+
+  with :math:`MS` updated by the stale gradient first and :math:`x_{then}`
+  the weights it was computed on (`stale_params`, or the params `delay`
+  calls earlier): `delay_compensation(lam, form="ema", decay=decay,
+  delay=delay)` with marin's defaults, :math:`\lambda = 1`, :math:`\beta =
+  0.99`. Unlike DC-ASGD-a (`adaptive="ema"`, which divides :math:`\lambda`
+  by :math:`\sqrt{MS}`), the EMA replaces :math:`g \circ g` itself: "the
+  same correction but with the diagonal curvature read from an EMA of the
+  squared gradient (i.e. Adam/RMSProp's second moment)".
+
+  Args:
+    lam: :math:`\lambda`.
+    decay: :math:`\beta`.
+    delay: as `delay_compensation`'s; 0 (the default) takes `stale_params`
+      from a pipeline executor, which passes each gradient's stash.
+
+  Returns:
+    An `optax.GradientTransformationExtraArgs`; its update takes `params` and
+    `stale_params=`.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> opt = dc_asgd_ema(1.0, decay=0.5)
+    >>> g, x, then = jnp.array([2.0]), jnp.array([1.0]), jnp.array([0.5])
+    >>> out, _ = opt.update(g, opt.init(x), x, stale_params=then)
+    >>> float(out[0])  # MS = 0.5 * 4 = 2; 2 + 1 * 2 * 0.5
+    3.0
+
+  References:
+    marin-community/marin, the delayed-gradient-pp experiment's
+    `delay_optim.py` (stored version of 19,272 characters): the corrector,
+    lines 26-29 and 235-238; `v_ema` starts at zeros, line 222; the defaults
+    `dc_lambda=1.0`, `dc_beta2=0.99`, lines 157-158 and 318-319; Zheng et
+    al, `Asynchronous Stochastic Gradient Descent with Delay Compensation
+    <https://arxiv.org/abs/1609.08326>`_, 2017.
+  """
+  return delay_compensation(lam, form="ema", decay=decay, delay=delay)

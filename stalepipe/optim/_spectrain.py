@@ -76,6 +76,17 @@ class SpecTrain:
     any number of micro-batches. It differs from the paper's by
     :math:`\lfloor k/2 \rfloor` on stages :math:`k \ge 2`.
 
+  `horizon_scale` :math:`c` multiplies the horizon, :math:`\hat x = x + c\,
+  s\, u_t`: with `staleness="minibatch"` this is marin's `weight_pred`
+  corrector (marin-community/marin, the delayed-gradient-pp experiment's
+  `delay_optim.py`, lines 35-43 and 353-382: the gradient is taken at
+  :math:`w + \tau c\, dW`, :math:`dW` the last applied update and
+  :math:`\tau` the leaf's stage delay, `pred_scale` :math:`c = 1` by
+  default, line 323), :math:`s` being that delay once the pipeline is
+  full. marin evaluates the forward and the backward at once, at one
+  prediction; here a backward reads its own prediction, from the state at
+  its own time, as every `predict` in a pipeline does.
+
   `predict` with :math:`s = 0` returns the params bit for bit. State: the
   inner state plus one params-sized buffer. The official code reads the
   momentum buffer after the step (`src/optimizer.py:315-323`): its forward
@@ -104,20 +115,26 @@ class SpecTrain:
   STALENESS = ("pipeline", "minibatch")  # the values `staleness` takes
 
   def __init__(self, optimizer: optax.GradientTransformation, *,
-               staleness: str = "pipeline"):
+               staleness: str = "pipeline", horizon_scale: float = 1.0):
     """Wraps `optimizer` (e.g. `optax.sgd(lr, momentum=mu)`).
 
     Args:
       optimizer: the inner optax optimizer.
       staleness: "pipeline" (the paper's pipeline-wide version) or
         "minibatch" (each task to its own minibatch's update).
+      horizon_scale: :math:`c >= 0`, the horizon's multiple of :math:`s`
+        (marin's `pred_scale`); 1 is SpecTrain's.
     """
     check_optimizer(optimizer)
     if staleness not in self.STALENESS:
       raise ValueError(f"staleness={staleness!r} is invalid; valid: "
                        "'pipeline' (the paper's), 'minibatch'")
+    if not horizon_scale >= 0:
+      raise ValueError(f"horizon_scale={horizon_scale!r} is invalid; valid: "
+                       "a number >= 0")
     self._opt = optax.with_extra_args_support(optimizer)
     self.staleness = staleness
+    self.horizon_scale = horizon_scale
 
   def init(self, params: optax.Params) -> SpecTrainState:
     """The inner optimizer's state and a zero last update."""
@@ -128,7 +145,7 @@ class SpecTrain:
               pipeline_ahead: Optional[chex.Numeric] = None,
               ahead: Optional[chex.Numeric] = None,
               **extra_args: Any) -> optax.Params:
-    """:math:`x + s\\,u`; `state` is not changed.
+    """:math:`x + c\\,s\\,u`; `state` is not changed.
 
     Args:
       state: the state.
@@ -145,6 +162,10 @@ class SpecTrain:
     name = "pipeline_ahead" if self.staleness == "pipeline" else "ahead"
     s = pipeline_ahead if self.staleness == "pipeline" else ahead
     check_count(name, s)
+    c = self.horizon_scale
+    if c != 1.0:
+      return jax.tree.map(lambda x, u: add_scaled(x, s, c * u), params,
+                          state.last)
     return jax.tree.map(lambda x, u: add_scaled(x, s, u), params, state.last)
 
   def update(

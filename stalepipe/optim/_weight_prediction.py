@@ -149,6 +149,9 @@ class WeightPrediction:
     if adaptive == "ema":
       raise ValueError("adaptive='ema' is invalid here; valid: None or "
                        "'current'")
+    if form == "ema":
+      raise ValueError("form='ema' is invalid here; valid: 'full' or "
+                       "'diagonal'")
     if warmup not in _stale.WARMUPS:
       raise ValueError(f"warmup={warmup!r} is invalid; valid: "
                        f"{_stale.WARMUPS}")

@@ -28,6 +28,11 @@ gives, in this order,
 direction (`optim.DIRECTIONS`: `scale_by_async_nesterov`,
 `scale_by_basis_rotation`, ...), as it joins the gradient inside the
 optimizer in the rules' sources.
+A transform that keeps the optimizer's own statistics (`optim.MIRRORS`:
+`gap_aware`) gets the optimizer's form (`sgd`, or `adam`/`adamw`),
+learning rate (the schedule, with `lr_schedule`) and moment settings
+(`momentum`; `b1`, `b2`, `eps`), and a config that gives it different ones
+is refused.
 
 Each name is looked up in one registry (`stalepipe.registry.Registry`):
 transforms in `stalepipe.optim.TRANSFORMS`, wrappers in
@@ -74,7 +79,77 @@ def _optax_optimizers() -> dict[str, Callable[..., Any]]:
   return dict(sorted(found.items()))
 
 
-OPTIMIZERS = registry.Registry("optimizer", _optax_optimizers())
+def muon(learning_rate: optax.ScalarOrSchedule, *, mask: Any = None,
+         **kwargs: Any) -> optax.GradientTransformation:
+  r"""`optax.contrib.muon`, its Newton-Schulz leaves chosen by a named mask.
+
+  On each selected matrix Muon orthogonalises a Nesterov momentum:
+
+  .. math::
+    m_t = \beta m_{t-1} + (1-\beta) g_t, \quad
+    M = \beta \frac{m_t}{1-\beta^{t+1}} + (1-\beta) \frac{g_t}{1-\beta^t},
+    \quad u = -\eta \sqrt{\max(1, n_{out}/n_{in})}\ \mathrm{NS}_5(M)
+
+  with :math:`\mathrm{NS}_5` five quintic Newton-Schulz steps
+  :math:`X \leftarrow aX + (bA + cA^2)X`, :math:`A = XX^\top`,
+  :math:`(a, b, c) = (3.4445, -4.7750, 2.0315)`, from
+  :math:`X = M / (\lVert M\rVert_F + \epsilon)` (on :math:`M^\top` when it
+  has more rows than columns). Every other leaf gets AdamW, as the Muon
+  recipe gives embeddings, head, norms and biases to Adam.
+
+  Args:
+    learning_rate: :math:`\eta`, a number or an optax schedule.
+    mask: which leaves get Newton-Schulz: a name from `optim.MASKS`
+      (`"attention_mlp"`, `"all_matrices"`), a pytree of bools like the
+      params, or a callable returning one; None is optax's default (every
+      2-D leaf). Each selected leaf must be 2-D.
+    **kwargs: the other keyword arguments of `optax.contrib.muon` (`beta`,
+      `ns_steps`, `nesterov`, `weight_decay`, `adam_b1`, ...), except
+      `muon_weight_dimension_numbers`, which `mask` sets.
+
+  Returns:
+    `optax.contrib.muon(learning_rate, muon_weight_dimension_numbers=...,
+    **kwargs)`.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> params = {"fc": {"kernel": jnp.ones((3, 4))},
+    ...           "head": {"kernel": jnp.ones((4, 2))}}
+    >>> opt = muon(0.02, mask="attention_mlp")
+    >>> updates, _ = opt.update(params, opt.init(params), params)
+    >>> # the head is Adam's, Nesterov too: -lr (1 + b1 (1 - b1) / (1 - b1^2))
+    >>> round(float(updates["head"]["kernel"][0, 0]), 4)
+    -0.0295
+
+  References:
+    Jordan et al, `Muon: An optimizer for hidden layers in neural networks
+    <https://kellerjordan.github.io/posts/muon/>`_, 2024; optax 0.2.8
+    `optax/contrib/_muon.py` (`muon`, lines 519-727; the coefficients, line
+    42; Nesterov momentum, lines 486-497; the iteration, lines 239-250).
+  """
+  taken = inspect.signature(optax.contrib.muon).parameters
+  for key in kwargs:
+    if key not in taken or key in ("learning_rate",
+                                   "muon_weight_dimension_numbers"):
+      raise ValueError(f"muon takes no {key!r} here; valid: mask, "
+                       + ", ".join(k for k in taken if k not in (
+                           "muon_weight_dimension_numbers",)))
+  dims = None
+  if mask is not None:
+    select = optim.mask(mask)
+
+    def dims(params):
+      chosen = select(params) if callable(select) else select
+      return jax.tree.map(
+          lambda c: optax.contrib.MuonDimensionNumbers() if c else None,
+          chosen)
+  return optax.contrib.muon(learning_rate, muon_weight_dimension_numbers=dims,
+                            **kwargs)
+
+
+# optax's top-level optimizers, and Muon from optax.contrib with a named mask.
+OPTIMIZERS = registry.Registry("optimizer", {**_optax_optimizers(),
+                                             "muon": muon})
 SCHEDULES = registry.Registry("schedule", {
     name: obj for name, obj in vars(optax.schedules).items()
     if not name.startswith("_") and name not in _NOT_FROM_A_CONFIG
@@ -96,6 +171,46 @@ def _with_workers(registry_: registry.Registry, name: str,
   if "num_workers" in registry_.keys(name):
     kwargs.setdefault("num_workers", num_replicas)
   return kwargs
+
+
+# What a transform of `optim.MIRRORS` mirrors: the optimizer's form, and the
+# settings it shares with the optimizer.
+_MIRRORED_FORMS = {"sgd": "sgd", "adam": "adam", "adamw": "adam"}
+_MIRRORED_KEYS = ("learning_rate", "b1", "b2", "eps", "momentum")
+
+
+def _mirrored(name: str, kwargs: dict[str, Any], optimizer: str,
+              optimizer_kwargs: dict[str, Any]) -> dict[str, Any]:
+  """`kwargs` of a transform that mirrors the optimizer's statistics
+  (`optim.MIRRORS`, Gap-Aware), with the optimizer's form and settings.
+
+  Raises:
+    ValueError: in one line, for an optimizer it cannot mirror, or a setting
+      the config gives the transform that differs from the optimizer's.
+  """
+  plain = {"nesterov": False, "eps_root": 0.0}
+  if optimizer not in _MIRRORED_FORMS or (
+      optimizer != "sgd" and any(optimizer_kwargs.get(k, v) != v
+                                 for k, v in plain.items())):
+    raise ValueError(f"transform {name!r} with optimizer {optimizer!r} "
+                     f"{optimizer_kwargs} is invalid; valid: optimizer sgd, "
+                     "or adam/adamw without nesterov or eps_root")
+  taken = optim.TRANSFORMS.keys(name)
+  params = inspect.signature(OPTIMIZERS.factory(optimizer)).parameters
+  wanted = {"form": _MIRRORED_FORMS[optimizer]} if "form" in taken else {}
+  for key in _MIRRORED_KEYS:
+    if key not in taken or key not in params:
+      continue
+    value = optimizer_kwargs.get(key, params[key].default)
+    if value is inspect.Parameter.empty:
+      continue
+    wanted[key] = 0.0 if key == "momentum" and value is None else value
+  for key, value in wanted.items():
+    if key in kwargs and kwargs[key] is not value and kwargs[key] != value:
+      raise ValueError(f"transform {name!r} {key}={kwargs[key]!r} is "
+                       f"invalid with optimizer {optimizer!r}; valid: its "
+                       f"{key}, {value!r} (or leave it out)")
+  return {**kwargs, **wanted}
 
 
 def make_schedule(entry: tuple[str, dict[str, Any]]) -> optax.Schedule:
@@ -231,6 +346,8 @@ def make(
     name, kwargs = _entry(entry, "transform")
     if name in optim.DIRECTIONS:
       chain, l2 = chain + l2, []
+    if name in optim.MIRRORS:
+      kwargs = _mirrored(name, kwargs, optimizer, optimizer_kwargs)
     chain.append(optim.TRANSFORMS.make(
         name, **_with_workers(optim.TRANSFORMS, name, kwargs, num_replicas)))
   chain += l2

@@ -130,9 +130,11 @@ def _check_kwargs(prefix: str, parts: registry.Registry, name: str,
                        f"{', '.join(accepted) or 'none'}")
     if key in ranges:
       _check_range(f"{prefix}.{key}", value, ranges[key])
+  filled = _FILLED_BY_THE_RUN.get(parts.plane, ())
+  if parts is optim.TRANSFORMS and name in optim.MIRRORS:
+    filled += ("learning_rate",)  # the optimizer's (`optimizers.make`)
   for key in parts.required(name):
-    if key not in kwargs and key not in _FILLED_BY_THE_RUN.get(parts.plane,
-                                                               ()):
+    if key not in kwargs and key not in filled:
       valid = ranges[key][1] if key in ranges else "a value"
       raise ValueError(f"{prefix}.{key} is missing: {owner} needs it; "
                        f"valid: {valid}")
@@ -140,7 +142,8 @@ def _check_kwargs(prefix: str, parts: registry.Registry, name: str,
 
 # Keys the run fills in where a config leaves them out (`build.parts`,
 # `optimizers.make`): WSP's wave is the schedule's concurrent minibatches,
-# and a rule's workers are the data replicas.
+# and a rule's workers are the data replicas (a transform that mirrors the
+# optimizer, `optim.MIRRORS`, also gets its learning rate).
 _FILLED_BY_THE_RUN = {"sync policy": ("concurrent_minibatches",),
                       "transform": ("num_workers",),
                       "optimizer wrapper": ("num_workers",)}
