@@ -55,4 +55,30 @@ DEPTH = {
         "transforms": (("clip_by_group_norm", {"max_norm": 1.0, **_ROTATED}),
                        ("scale_by_basis_rotation", _ROTATED)),
         "optimizer": "sgd", "optimizer_scope": "stage"},
+    # Gap-Aware (Barkai et al. ICLR 2020) as saareliad/FTPipe runs it on its
+    # language models: the AdamW form over weight stashing
+    # (`pipe/configs/lm/wt2/gpt2/tied/ws_ga.json` lines 5-11; its last stage
+    # is fresh, so phi = 1 there), weight decay 0 and eps 1e-8
+    # (`common.json` lines 24-31), betas (0.9, 0.999)
+    # (`optimizers/adamw_record.py` line 33). The transform mirrors the
+    # optimizer's learning rate and moments.
+    "gap_aware": {"transforms": (("gap_aware", {}),), "weight_decay": 0.0},
+    # Muon with optax.contrib.muon's defaults (0.2.8 `contrib/_muon.py`:
+    # quintic coefficients line 42, 5 steps and beta 0.95 lines 531-532,
+    # Nesterov line 540, Adam betas 0.9/0.999 lines 545-546 for the leaves
+    # it leaves out): Newton-Schulz on the attention and MLP kernels, the
+    # embeddings, head, norms and biases to Adam, as the Muon recipe runs
+    # it. Per stage: it reduces over one leaf at most.
+    "muon": {"optimizer": "muon", "optimizer_kwargs": {
+        "mask": "attention_mlp"}, "optimizer_scope": "stage"},
+    # marin's dc_asgd_ema corrector (marin-community/marin `delay_optim.py`
+    # lines 26-29, 235-238): g + lam * EMA(g^2) * (x_now - x_stash), lam 1.0
+    # and decay 0.99 (lines 157-158, 318-319), before the inner optimizer
+    # (lines 250-258).
+    "dc_asgd_ema": {"transforms": (("dc_asgd_ema", {}),)},
+    # marin's weight_pred corrector (`delay_optim.py` lines 35-43, 353-382):
+    # the weights extrapolated along the last applied update over the
+    # staleness, pred_scale 1.0 (line 323), on the stashing pipeline.
+    "weight_pred": {"optimizer_wrapper": ("SpecTrain", {
+        "staleness": "minibatch", "horizon_scale": 1.0})},
 }
