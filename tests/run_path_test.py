@@ -85,6 +85,7 @@ PLANES = {
         "scale_by_async_nesterov": {"delay": 1, "num_stages": 2},
         "wave_accumulation": {"wave_size": 2},
         "basis_rotation_adam": {"learning_rate": 0.01},
+        "clip_by_group_norm": {"max_norm": 1.0},
     }.get(n, {})),)}),
     "optimizer wrapper": (optim.WRAPPERS.names(), lambda n: {
         "optimizer_wrapper": (n, {
