@@ -413,8 +413,11 @@ def main(argv):
       f.write(text + "\n")
   path = harness.figure_path("staleness_depth.png")
   if path:
-    best = [rule if r["at_s1"] in (None, "config") else f"{rule}@{r['at_s1']}"
-            for rule, r in rates.items()]
+    # Each rule at its best S = 1 rate (a rule not run at S = 1: its first).
+    shown = {rule: r["at_s1"] or next(iter(r["per_depth"].values()))
+             for rule, r in rates.items()}
+    best = [rule if rate == "config" else f"{rule}@{rate}"
+            for rule, rate in shown.items()]
     plot(runs, rows, target, path, levels, [m for m in best if m in rows])
 
 
