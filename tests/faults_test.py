@@ -355,6 +355,7 @@ class _SigtermAt:
       os.kill(os.getpid(), signal.SIGTERM)
 
 
+@pytest.mark.slow  # trains two to four tiny runs
 def test_a_preemption_in_a_checkpoint_window_is_a_preemption(tmp_path):
   """The checkpoint hook and the preemption hook save the same step: one
   save, and the run ends preempted (not failed); the rerun finishes it."""
@@ -393,6 +394,7 @@ class _StopAt:
       raise loop.Stop("target loss reached")
 
 
+@pytest.mark.slow  # trains two to four tiny runs
 def test_an_early_stop_is_a_successful_end_and_its_rerun_has_nothing_to_do(
     tmp_path, capsys):
   config = tiny(num_steps=8, eval_every=4)
@@ -414,6 +416,7 @@ def test_an_early_stop_is_a_successful_end_and_its_rerun_has_nothing_to_do(
   assert "stopped early: target loss reached" in capsys.readouterr().out
 
 
+@pytest.mark.slow  # trains two to four tiny runs
 def test_a_hooks_figures_survive_a_preemption_and_a_rerun(tmp_path):
   """LearnsItsData's first and last losses are the whole run's after a
   SIGTERM and resume, and after a rerun that has nothing left to train."""
@@ -432,6 +435,7 @@ def test_a_hooks_figures_survive_a_preemption_and_a_rerun(tmp_path):
   assert json.loads((stopped / "figures.json").read_text()) == want
 
 
+@pytest.mark.slow  # trains two to four tiny runs
 def test_a_nan_at_the_first_step_leaves_a_workdir_the_next_run_starts_in(
     tmp_path, capfd):
   """The run stops in one line (no tensorboardX warning before it); the

@@ -374,6 +374,7 @@ def _no_hook_factory(parts, workdir):
   del parts, workdir
 
 
+@pytest.mark.slow  # two tiny runs each
 @pytest.mark.parametrize("factory,message", [
     ("_failing_factory", r"hooks\[0\] _failing_factory failed: OSError: "
      "quota exceeded"),
