@@ -11,6 +11,12 @@ import pytest  # pylint: disable=g-import-not-at-top,wrong-import-position
 # case the quick suite keeps (named after the arrow). The quick suite keeps
 # one case of each parametrized test; `make test-slow` (and CI) runs the rest.
 SLOW_VARIANTS = {
+    # -> the rules' NumPy renderings (optim_gap_aware_test, optim_marin_test,
+    # optim_muon_test) and the executor cases of the older rules.
+    "tests/executor_update_rules_test.py::test_update_rule_executor_equals_oracle[gap_aware-pipedream-options10-2-1-1]",
+    "tests/executor_update_rules_test.py::test_update_rule_executor_equals_oracle[dc_asgd_ema-pipedream-options11-2-1-1]",
+    "tests/executor_update_rules_test.py::test_update_rule_executor_equals_oracle[weight_pred-pipedream-options12-2-1-1]",
+    "tests/executor_update_rules_test.py::test_muon_executor_equals_oracle_on_pipedream",
     # S=4 of every schedule; quick: S=2 of all, S=4 of pipedream and zb-h1.
     "tests/executor_test.py::test_executor_equals_reference[4-gpipe]",
     "tests/executor_test.py::test_executor_equals_reference[4-1f1b]",
