@@ -15,6 +15,7 @@ import time
 import numpy as np
 import pytest
 
+from stalepipe.pipeline import stage as stage_lib
 from tests import launching
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -50,6 +51,9 @@ def test_default_launch_trains_to_90_percent(tmp_path):
   assert summary["test_accuracy"] >= 0.9
   lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
   steps = [json.loads(line)["step"] for line in lines]
+  # Every name the trainer records is reserved: no metric can overwrite it.
+  names = {k for line in lines for k in json.loads(line)}
+  assert names <= set(stage_lib.RESERVED), names
   assert steps == sorted(steps) and steps[-1] == summary["steps"]
   assert json.loads((tmp_path / "config.json").read_text())["schedule"] == "gpipe"
   assert "test accuracy" in result.stdout

@@ -90,7 +90,8 @@ def _close(a, b, **kw):
 
 
 @pytest.mark.parametrize("name,remat", [
-    ("1f1b", "recompute"), ("zb-h1", "residuals"),
+    ("1f1b", "recompute"),
+    pytest.param("zb-h1", "residuals", marks=pytest.mark.slow),
     pytest.param("pipedream", "recompute", marks=pytest.mark.slow)])
 def test_metrics_and_state_equal_the_oracle(name, remat):
   pipe, ref = _pipes(name, remat, D=2)
@@ -197,10 +198,19 @@ def test_bad_states_and_metric_names_are_refused():
   for loss_fn, match in ((twice, "'h_mean' of the loss function is reported "
                           "twice"),
                          (lambda a, b: (cross_entropy(a, b), {"loss": 0.0}),
-                          "'loss' of the loss function")):
+                          "'loss' of the loss function"),
+                         (lambda a, b: (cross_entropy(a, b), {"step": 0.0}),
+                          "'step' of the loss function .* reserved")):
     pipe = executor.Pipeline(FNS, loss_fn, schedule, optax.sgd(0.1), mesh)
     with pytest.raises(ValueError, match=match):
       pipe.step(pipe.init(_params(), _states()), x, y)
+
+
+@pytest.mark.parametrize("name", sp.pipeline.stage.RESERVED)
+def test_every_name_the_trainer_records_is_refused_as_a_metric(name):
+  with pytest.raises(ValueError, match=f"metric '{name}' of stage 1 .* "
+                     "reserved"):
+    sp.pipeline.stage._merge_metrics({}, {name: 1.0}, "stage 1")  # pylint: disable=protected-access
 
 
 class _Net(nnx.Module):

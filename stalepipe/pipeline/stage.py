@@ -65,8 +65,15 @@ from stalepipe.pipeline import split_backward
 
 ARGUMENTS = ("key", "train", "state")
 EXTRAS = ("key", "state")  # what enters a bound stage as part of its input
-RESERVED = ("loss", "num_losses", "seconds", "examples_per_s", "tokens_per_s",
-            "staleness")  # names `step` already returns
+STEP_METRICS = ("loss", "num_losses", "seconds", "examples_per_s",
+                "tokens_per_s", "staleness")  # names `step` already returns
+# What the trainer adds to a `metrics.jsonl` record beside the step's metrics
+# (`train/hooks.py`: `Log`, `Evaluate`; `train/trainer.py`: `extra`). `Log`
+# refuses to write a name missing here, so this list cannot drift.
+RECORD_NAMES = ("step", "test_loss", "test_accuracy", "bubble",
+                "staleness_mean", "staleness_max", "steps_per_s",
+                "state_bytes", "host_peak_bytes", "device_peak_bytes")
+RESERVED = STEP_METRICS + RECORD_NAMES  # no stage or loss metric takes one
 
 
 def wants(fn: Callable) -> frozenset[str]:

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from stalepipe.pipeline import executor
+from stalepipe.pipeline import stage as stage_lib
 from stalepipe.train import loop
 
 @jax.jit
@@ -158,7 +159,12 @@ class Log:
     loss = training_loss(run.metrics)
     if loss is not None:
       record["loss"] = loss
-    record.update(self._extra(run))
+    extra = self._extra(run)
+    unknown = set(extra) - set(stage_lib.RESERVED)
+    if unknown:  # a trainer figure a user's metric could overwrite
+      raise RuntimeError(f"trainer records {sorted(unknown)} are not in "
+                         "stalepipe.pipeline.stage.RECORD_NAMES; add them there")
+    record.update(extra)
     self._writer.write(run.step, record)
     self._console.show(run.step, loss)
     self._logged = run.step
