@@ -155,6 +155,19 @@ def test_bad_arguments_are_one_line(sync_kwargs, message):
   assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
 
 
+def test_a_run_too_long_to_simulate_is_refused_by_arithmetic():
+  config = tiny(num_replicas=2, sync="simulated", num_steps=2_000_000,
+                sync_kwargs={"policy": "bsp"})
+  with pytest.raises(ValueError) as e:
+    build.parts(config)
+  # 1F1B runs a forward and a backward of every micro-batch on every stage.
+  per_step = 2 * 2 * config.num_stages * config.num_microbatches
+  most = simulated.MAX_SIMULATED_TASKS // per_step
+  assert str(e.value).startswith("num_steps=2000000 is invalid for sync "
+                                 "'simulated'") and "\n" not in str(e.value)
+  assert f"valid: at most {most} steps" in str(e.value), str(e.value)
+
+
 def test_the_hook_refuses_a_policy_that_replays_nothing(tmp_path):
   module = runpy.run_path(str(ROOT / "experiments" / "hooks.py"))
   parts = build.parts(tiny(num_replicas=2))

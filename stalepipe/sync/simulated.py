@@ -46,6 +46,9 @@ import numpy as np
 from stalepipe.sync import base
 
 POLICIES = ("bsp", "wsp", "sdpipe", "ad_psgd")
+# The simulator times every task of every pipeline before step 1, about 30 us
+# and 1 kB a task on a CPU core: a million tasks is about 30 s.
+MAX_SIMULATED_TASKS = 1_000_000
 STRAGGLERS = ("homogeneous", "hete-A", "hete-B")  # seed 002 §5.1
 
 
@@ -196,6 +199,14 @@ def simulated(num_replicas: int, policy: str,
     raise ValueError(f"seed={seed!r} is invalid; valid: an integer >= 0")
   kwargs = dict(policy_kwargs or {})
   N, S = num_replicas, schedule.num_stages
+  per_step = N * len(schedule.tasks) / schedule.num_minibatches
+  if num_steps * per_step > MAX_SIMULATED_TASKS:
+    raise ValueError(
+        f"num_steps={num_steps} is invalid for sync 'simulated': it times "
+        f"{num_steps * per_step:,.0f} tasks ({N} pipelines x "
+        f"{per_step / N:g} tasks a minibatch) before step 1; valid: at most "
+        f"{int(MAX_SIMULATED_TASKS // per_step)} steps "
+        f"(MAX_SIMULATED_TASKS={MAX_SIMULATED_TASKS:,})")
   grid, costs = sim.clusters.make(cluster, num_pipelines=N, num_stages=S,
                                   num_microbatches=schedule.num_microbatches)
   run = _long_schedule(schedule, num_steps)
