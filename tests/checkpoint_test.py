@@ -219,7 +219,7 @@ def _corrupt_emptied(step_dir):
 @pytest.mark.parametrize("corrupt,why", [
     (_corrupt_truncated, "corrupt"),
     (_corrupt_flipped, "checksum mismatch"),
-    (_corrupt_emptied, "corrupt"),
+    pytest.param(_corrupt_emptied, "corrupt", marks=pytest.mark.slow),
 ])
 def test_bad_latest_checkpoint_is_skipped_and_the_run_ends_bit_for_bit(
     tmp_path, corrupt, why):

@@ -67,6 +67,7 @@ def test_a_run_whose_checkpoints_failed_is_not_overwritten_by_a_rerun(
   assert {k: _bytes(tmp_path)[k] for k in kept} == kept
 
 
+@pytest.mark.slow
 def test_results_without_checkpoints_are_kept_and_fresh_moves_them_aside(
     tmp_path):
   config = tiny(num_steps=8)
