@@ -170,7 +170,8 @@ def test_a_dead_coordinator_is_named_in_one_line(tmp_path):
 def test_a_peer_that_dies_is_named_in_one_line(tmp_path):
   _, code, seconds, err = _kill_one_mid_run(tmp_path, victim=1,
                                          heartbeat_timeout=20)
-  assert code == 1 and seconds < 30, err[-3000:]
+  # docs/running.md: the survivor stops within half the heartbeat timeout.
+  assert code == 1 and seconds < 20 / 2, (seconds, err[-3000:])
   # Whichever notices first, the heartbeat watch or the failed collective,
   # the last line names the missing process.
   last = err.strip().splitlines()[-1]

@@ -4,9 +4,9 @@ When a process of a multi-host run dies, the others block in their next
 collective until JAX's coordinator misses its heartbeats and aborts them
 with a C++ dump ("another task died"). This watch speaks first: every
 process bumps a counter of its own in JAX's distributed key-value store each
-second and reads the others'; a peer whose counter stands still for half the
-heartbeat timeout (and that has not said it is done) is reported through
-`on_lost`, which is expected to end the process.
+second and reads the others'; a peer whose counter stands still (and that has
+not said it is done) is reported through `on_lost`, which is expected to end
+the process, within half the heartbeat timeout of its last beat.
 
 `done` stops the watch and waits for its thread before the process exits:
 a daemon thread still calling into the runtime's client while the
@@ -37,14 +37,19 @@ def watch(heartbeat_timeout: float, on_lost: Callable[[str], None],
   """Starts the watch in a daemon thread; nothing on a single process.
 
   Args:
-    heartbeat_timeout: JAX's, in seconds; a peer is lost after half of it.
+    heartbeat_timeout: JAX's, in seconds. The process stops within half of
+      it of the peer's last beat: the peer's counter is seen to change at
+      most `interval` after that beat and is checked every `interval`, and
+      ending the process takes about one more, so a peer is reported after
+      standing still for half the timeout less three intervals (at least
+      one interval: under 8 s the stop may come up to 3 s later).
     on_lost: called with a one-line description naming the lost process.
     interval: seconds between beats.
   """
   if jax.process_count() == 1:
     return
   me, client = jax.process_index(), _client()
-  limit = heartbeat_timeout / 2
+  limit = max(heartbeat_timeout / 2 - 3 * interval, interval)
 
   def beat_and_check():
     seen = {p: (None, time.monotonic()) for p in range(jax.process_count())
