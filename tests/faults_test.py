@@ -242,10 +242,27 @@ def _start(*args, workdir):
       env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
+def _status_field(pid: int, name: str) -> str:
+  """A field of /proc/PID/status ("0" once the process is gone)."""
+  try:
+    with open(f"/proc/{pid}/status") as f:
+      for line in f:
+        if line.startswith(name + ":"):
+          return line.split()[1]
+  except FileNotFoundError:
+    pass
+  return "0"
+
+
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 def test_a_stop_before_training_is_one_line(tmp_path, signum):
   proc = _start(workdir=tmp_path)
-  time.sleep(1.0)  # start-up: JAX importing, the config being built
+  # Once the launcher catches SIGHUP (bit 0 of the caught-signal mask; it sets
+  # its three handlers together), not before: a signal while Python imports
+  # absl, in the first tenths of a second, is a traceback (docs/running.md).
+  while not int(_status_field(proc.pid, "SigCgt"), 16) & 1:
+    assert proc.poll() is None, proc.communicate()[1][-2000:]
+    time.sleep(0.01)
   proc.send_signal(signum)
   _, err = proc.communicate(timeout=120)
   lines = err.strip().splitlines()
