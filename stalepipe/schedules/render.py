@@ -77,11 +77,16 @@ def schedule_events(schedule) -> list[TimelineEvent]:
   `p.m` when the schedule has more than one micro-batch per minibatch (for
   TiMePReSt's backward, which covers the whole minibatch, just `p`).
 
+  A device-level schedule (one with a placement) has one row per device,
+  `"device d"`, and the label starts with the task's chunk on it (its slot,
+  `c:p.m`): an overlapped pair is two events that start together.
+
   Args:
     schedule: a `stalepipe.schedules.Schedule`.
 
   Returns:
-    Events with rows `"stage s"`, in task order, times in ticks.
+    Events with rows `"stage s"` (or `"device d"`), in task order, times in
+    ticks.
   """
   events = []
   for t in schedule.tasks:
@@ -89,8 +94,12 @@ def schedule_events(schedule) -> list[TimelineEvent]:
     whole = len(schedule.covered_microbatches(t)) > 1
     if schedule.num_microbatches > 1 and not whole:
       label = f"{t.minibatch}.{t.microbatch}"
-    events.append(TimelineEvent(f"stage {t.stage}", t.tick,
-                                schedule.durations[t.kind], t.kind, label))
+    row = f"stage {t.stage}"
+    if schedule.placed is not None:
+      device, chunk = schedule.placed.where(t.stage)
+      row, label = f"device {device}", f"{chunk}:{label}"
+    events.append(TimelineEvent(row, t.tick, schedule.durations[t.kind],
+                                t.kind, label))
   return events
 
 
