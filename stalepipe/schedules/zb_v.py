@@ -28,6 +28,11 @@ fill and drain add :math:`P - 1`, which the paper does not count as bubble
 :math:`3M + S - 1`), and every device holds at most :math:`2P` micro-batches
 of a chunk, the activations of :math:`P` whole stages: 1F1B's peak.
 
+Synchronous as ZB-H2: every task of minibatch p reads version p, and each
+stage applies its update after its own last BW, so a stage may start
+minibatch p + 1 while another still runs p's BW; `Schedule.together`
+refuses it (a whole-model update rule would stall the V).
+
 References:
   Qi et al, Pipeline Parallelism with Controllable Memory / Zero Bubble
   Pipeline Parallelism <https://arxiv.org/abs/2401.10241>, ICLR 2024 (§6,
