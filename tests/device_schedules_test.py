@@ -212,3 +212,10 @@ def test_stage_level_schedules_have_no_devices():
 def test_refusals(name, kw, message):
   with pytest.raises(ValueError, match=message):
     sp.schedules.make(name, **kw)
+
+
+def test_tile_refuses_device_level_schedules():
+  s = make("zb-v", 2, 4, B=4)
+  with pytest.raises(ValueError, match="is device-level"):
+    sp.sim.tile(s, 8)
+  assert s.with_minibatches(8).placement == "v"

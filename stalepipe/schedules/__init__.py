@@ -46,6 +46,10 @@ PARTS = registry.Registry("schedule", {
     "zb-v": zb_v,
     "dualpipev": dualpipev,
 }, filled=("num_stages", "num_microbatches", "num_minibatches"))
+# Device-level schedules: each names its placement (`Schedule.placement`),
+# and a device runs one task per tick. The executors do not honour the
+# placement yet (issue 37, part 2).
+DEVICE_LEVEL = ("interleaved-1f1b", "looped-bfs", "zb-v", "dualpipev")
 
 
 def names() -> tuple[str, ...]:
