@@ -12,6 +12,7 @@ import dataclasses
 import pytest
 
 import stalepipe as sp
+from stalepipe import theory
 from tests._sources import pipelining
 
 KIND = {"F": "F", "B": "B", "I": "BI", "W": "BW"}
@@ -96,10 +97,10 @@ def test_interleaved_1f1b_closed_forms(P, v, M):
   most its warm-up (Megatron's, rounds of P micro-batches) plus one
   micro-batch, (v - 1) P + 2(P - 1 - d) + 1, at most vM."""
   s = make("interleaved-1f1b", P, M, v=v)
-  assert s.num_ticks == 2 * (v * M + P - 1)
+  assert s.num_ticks == theory.interleaved_1f1b_makespan(P, v, M)
   assert idle(s) == (2 * (P - 1),) * P
   assert (s.num_ticks - 2 * v * M) / (2 * v * M) == pytest.approx(
-      (P - 1) / (v * M))
+      theory.interleaved_1f1b_bubble(P, v, M))
   assert s.device_max_in_flight == tuple(
       min((v - 1) * P + 2 * (P - 1 - d) + 1, v * M) for d in range(P))
 
@@ -118,7 +119,7 @@ def test_zb_v_closed_forms(P, M):
   ticks (v = 2), and 2P chunk micro-batches held on every device (1F1B's
   P whole-stage ones) once M >= 2P."""
   s = make("zb-v", P, M)
-  assert s.num_ticks == 3 * 2 * M + P - 1
+  assert s.num_ticks == theory.zero_bubble_v_makespan(P, M)
   assert idle(s) == (P - 1,) * P
   if M >= 2 * P:
     assert s.device_max_in_flight == (2 * P,) * P
@@ -133,7 +134,7 @@ def test_dualpipev_closed_forms(P, M):
   unit F&B = max(F, B) = 2: P - 1 idle ticks on the busiest device."""
   s = make("dualpipev", P, M)
   f_and_b, b, w = 2, s.durations["B"], s.durations["BW"]
-  assert max(idle(s)) == (2 * P // 2 - 1) * (f_and_b + b - 3 * w)
+  assert max(idle(s)) == theory.dualpipev_bubble(P, f_and_b, b, w)
   assert idle(s) == tuple(min(d + 1, P - 1) for d in range(P))
   assert s.device_max_in_flight == (2 * P + 1,) * P
   assert s.num_ticks == 4 * M + 3 * P
