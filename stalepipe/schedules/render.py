@@ -17,6 +17,7 @@ Examples:
   [('stage 0', 0, 'F', '0'), ('stage 1', 1, 'F', '0'), ('stage 1', 2, 'B', '0'), ('stage 0', 3, 'B', '0')]
 """
 
+import collections
 import json
 import os
 from typing import NamedTuple, Sequence
@@ -127,14 +128,20 @@ def gantt_png(events: Sequence[TimelineEvent], path: str, *,
   end = max((e.start + e.duration for e in events), default=1.0)
   width = min(40.0, max(6.0, 0.45 * end + 2.0))
   fig, ax = plt.subplots(figsize=(width, 0.55 * len(rows) + 1.4))
+  # Events that start together on one row (an overlapped forward and
+  # backward) share its height, one above the other.
+  together = collections.Counter((e.row, e.start) for e in events)
+  drawn = collections.Counter()
   for e in events:
-    y = index[e.row]
-    ax.add_patch(patches.Rectangle((e.start, y - 0.4), e.duration, 0.8,
+    height = 0.8 / together[(e.row, e.start)]
+    y = index[e.row] - 0.4 + height * drawn[(e.row, e.start)]
+    drawn[(e.row, e.start)] += 1
+    ax.add_patch(patches.Rectangle((e.start, y), e.duration, height,
                                    facecolor=_COLOURS[e.kind],
                                    edgecolor="black", linewidth=0.6))
     if e.label and e.duration > 0:
       size = 8 if len(e.label) <= 2 * e.duration + 1 else 6
-      ax.text(e.start + e.duration / 2, y, e.label, ha="center",
+      ax.text(e.start + e.duration / 2, y + height / 2, e.label, ha="center",
               va="center", fontsize=size)
   ax.set_xlim(0, end)
   ax.set_ylim(len(rows) - 0.5, -0.5)
