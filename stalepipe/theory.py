@@ -17,7 +17,7 @@ import math
 
 
 _COUNTS = ("num_stages", "num_microbatches", "num_minibatches",
-           "concurrent_minibatches")
+           "concurrent_minibatches", "num_devices", "num_chunks")
 
 
 def _check(**values: int) -> None:
@@ -383,3 +383,77 @@ def zero_bubble_activations(schedule: str, num_stages: int,
   S, s = num_stages, stage
   return {"1f1b": (S - s, 0), "zb-h1": (S - s, s),
           "zb-h2": (2 * S - 2 * s - 1, 2 * s)}[schedule]
+
+
+def interleaved_1f1b_makespan(num_devices: int, num_chunks: int,
+                              num_microbatches: int) -> int:
+  r"""Interleaved 1F1B's ticks per minibatch, unit F and B per chunk, P | M.
+
+  Narayanan et al (SC'21, §2.2.2): a device's bubble shrinks v-fold to
+  :math:`(p - 1)(t_f + t_b)/v`; with a chunk's forward and backward one tick
+  each (:math:`t_f / v = t_b / v = 1`) and :math:`2vM` ticks of work,
+
+  .. math:: 2(vM + P - 1)
+
+  Examples:
+    >>> interleaved_1f1b_makespan(4, 2, 8)
+    38
+  """
+  _check(num_devices=num_devices, num_chunks=num_chunks,
+         num_microbatches=num_microbatches)
+  if num_microbatches % num_devices:
+    raise ValueError(f"num_microbatches={num_microbatches} is invalid for "
+                     "interleaved 1F1B's closed form with "
+                     f"{num_devices} devices; it must be a multiple of them")
+  return 2 * (num_chunks * num_microbatches + num_devices - 1)
+
+
+def interleaved_1f1b_bubble(num_devices: int, num_chunks: int,
+                            num_microbatches: int) -> float:
+  r"""Interleaved 1F1B's bubble over the ideal time (Narayanan et al §2.2.2).
+
+  .. math:: \frac{P - 1}{vM}
+
+  Examples:
+    >>> interleaved_1f1b_bubble(4, 2, 8)
+    0.1875
+  """
+  _check(num_devices=num_devices, num_chunks=num_chunks,
+         num_microbatches=num_microbatches)
+  return (num_devices - 1) / (num_chunks * num_microbatches)
+
+
+def zero_bubble_v_makespan(num_devices: int, num_microbatches: int) -> int:
+  r"""ZB-V's ticks per minibatch with unit F, BI and BW (Qi et al §6).
+
+  No bubble with :math:`T_F = T_B = T_W` but the V's fill and drain: each
+  device works :math:`3 \cdot 2M` ticks, v = 2 chunks,
+
+  .. math:: 3vM + P - 1 = 6M + P - 1
+
+  and holds at most :math:`2P` chunk micro-batches, 1F1B's peak.
+
+  Examples:
+    >>> zero_bubble_v_makespan(4, 8)
+    51
+  """
+  _check(num_devices=num_devices, num_microbatches=num_microbatches)
+  return 6 * num_microbatches + num_devices - 1
+
+
+def dualpipev_bubble(num_devices: int, t_f_and_b: float, t_b: float,
+                     t_w: float) -> float:
+  r"""DualPipeV's bubble, the DualPipe README's table (PP = 2P stages).
+
+  .. math:: (PP/2 - 1)(T_{F\&B} + T_B - 3T_W) = (P - 1)(T_{F\&B} + T_B - 3T_W)
+
+  :math:`T_B` is a full backward, :math:`T_{F\&B}` a forward and a
+  backward overlapped; its activation memory is :math:`PP + 1 = 2P + 1`
+  micro-batches of a chunk per device.
+
+  Examples:
+    >>> dualpipev_bubble(4, t_f_and_b=2, t_b=2, t_w=1)
+    3
+  """
+  _check(num_devices=num_devices)
+  return (num_devices - 1) * (t_f_and_b + t_b - 3 * t_w)

@@ -100,3 +100,26 @@ def test_cli_shows_split_backward(tmp_path, capsys, name):
   assert {b["cat"] for b in boxes} == {"forward", "input gradient",
                                        "weight gradient"}
   assert image.imread(str(png)).std() > 0.05
+
+
+def test_device_level_schedule_rows_are_devices(tmp_path, capsys):
+  """`show` of a device-level schedule: one row per device, each cell the
+  kind and the chunk; the PNG and the trace have one lane per device."""
+  png, trace = tmp_path / "i.png", tmp_path / "i.json"
+  assert cli.main(["show", "interleaved-1f1b", "--stages", "8", "--devices",
+                   "4", "--microbatches", "8", "--png", str(png), "--trace",
+                   str(trace)]) == 0
+  out = capsys.readouterr().out
+  rows = [line for line in out.splitlines() if line.startswith("device ")]
+  assert [r.split()[1] for r in rows] == ["0", "1", "2", "3"]
+  assert rows[0].split()[2:6] == ["F0:0.0", "F0:0.1", "F0:0.2", "F0:0.3"]
+  assert "F1:0.0" in rows[0].split()  # the device's second chunk, stage 4
+  assert "device_in_flight   (11, 9, 7, 5)" in out
+  assert image.imread(str(png)).std() > 0.05
+  lanes = {e["args"]["name"] for e in json.loads(trace.read_text())[
+      "traceEvents"] if e["name"] == "thread_name"}
+  assert lanes == {f"device {d}" for d in range(4)}
+  cli.main(["show", "dualpipev", "--stages", "4", "--microbatches", "4"])
+  first = next(line for line in capsys.readouterr().out.splitlines()
+               if line.startswith("device 0"))
+  assert "F0:0.3+B1:0.1" in first.split()  # an overlapped unit, one cell

@@ -17,11 +17,20 @@ FAST = settings(max_examples=12, deadline=None)
 
 def make(name, S, M, B, **kw):
   """Builds a schedule; 2BW and zb-async stall below M = S, so smaller M is
-  raised to S."""
+  raised to S. The device-level schedules get two chunks a device where S is
+  even (zb-v and dualpipev: odd S raised by one), M a multiple of
+  interleaved 1F1B's rounds and DualPipeV's M >= S."""
   if name in ("2bw", "zb-async"):
     M = max(M, S)
   if name == "hetpipe":
     kw.setdefault("concurrent_minibatches", min(S, 3))
+  if name in ("interleaved-1f1b", "looped-bfs"):
+    kw.setdefault("num_devices", max(1, S // 2 if S % 2 == 0 else S))
+    M -= M % max(1, M // kw["num_devices"])
+  if name in ("zb-v", "dualpipev"):
+    S += S % 2
+  if name == "dualpipev":
+    M = max(M, S)
   return sp.schedules.make(name, num_stages=S, num_microbatches=M,
                            num_minibatches=B, **kw)
 
@@ -35,7 +44,8 @@ def by_minibatch(schedule, p):
 def test_every_schedule_is_valid(name, S, M):
   s = make(name, S, M, 5).validate()
   busy = sum(s.durations[t.kind] for t in s.tasks)  # no overlaps: validated
-  assert s.bubble_fraction == pytest.approx(1 - busy / (s.num_ticks * S))
+  assert s.bubble_fraction == pytest.approx(
+      1 - busy / (s.num_ticks * s.num_stages))
   assert 0.0 <= s.bubble_fraction < 1.0
   assert s.version_difference >= 1
 

@@ -12,9 +12,12 @@ import dataclasses
 from stalepipe import registry
 from stalepipe.schedules import kinds
 from stalepipe.schedules.core import KINDS, Schedule, Task
+from stalepipe.schedules.dualpipev import dualpipev
 from stalepipe.schedules.gpipe import gpipe
 from stalepipe.schedules.hetpipe import hetpipe
 from stalepipe.schedules.hetpipe import measured_global_staleness
+from stalepipe.schedules.interleaved import interleaved_1f1b
+from stalepipe.schedules.looped_bfs import looped_bfs
 from stalepipe.schedules.one_f_one_b import one_f_one_b
 from stalepipe.schedules.pipedream import pipedream
 from stalepipe.schedules.pipedream_2bw import pipedream_2bw
@@ -26,6 +29,7 @@ from stalepipe.schedules.timeprest import timeprest
 from stalepipe.schedules.zero_bubble import zb_async
 from stalepipe.schedules.zero_bubble import zb_h1
 from stalepipe.schedules.zero_bubble import zb_h2
+from stalepipe.schedules.zb_v import zb_v
 
 PARTS = registry.Registry("schedule", {
     "gpipe": gpipe,
@@ -37,7 +41,15 @@ PARTS = registry.Registry("schedule", {
     "zb-h1": zb_h1,
     "zb-h2": zb_h2,
     "zb-async": zb_async,
+    "interleaved-1f1b": interleaved_1f1b,
+    "looped-bfs": looped_bfs,
+    "zb-v": zb_v,
+    "dualpipev": dualpipev,
 }, filled=("num_stages", "num_microbatches", "num_minibatches"))
+# Device-level schedules: each names its placement (`Schedule.placement`),
+# and a device runs one task per tick. The executors do not honour the
+# placement yet (issue 37, part 2).
+DEVICE_LEVEL = ("interleaved-1f1b", "looped-bfs", "zb-v", "dualpipev")
 
 
 def names() -> tuple[str, ...]:

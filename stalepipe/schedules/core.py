@@ -9,6 +9,13 @@ micro-batches from 0; a task takes one tick unless the schedule says otherwise.
 A task's *version* is the number of optimizer updates of its stage reflected in
 the weights it reads. A stage applies the update of minibatch `p` at the end of
 the tick in which its last backward task of `p` finishes, in minibatch order.
+
+A *device-level* schedule (interleaved 1F1B, ZB-V, DualPipeV) also names a
+placement of its S stages on P devices (`placement.py`); each device runs at
+most one task per tick, whichever of its stages (chunks) it belongs to, except
+the two tasks of an overlapped forward-and-backward unit (DualPipe's F&B),
+which start together and share the device. The per-stage figures keep their
+meaning; the `device_*` figures sum a device's chunks.
 """
 
 import bisect
@@ -19,6 +26,7 @@ from typing import Mapping, NamedTuple
 import numpy as np
 
 from stalepipe.schedules import kinds as kinds_lib
+from stalepipe.schedules import placement as placement_lib
 
 KINDS = tuple(kinds_lib.KINDS)
 
@@ -57,6 +65,13 @@ class Schedule:
       one tick, the end of the tick in which the last stage's last
       weight-gradient task of it ends (`together`), so that an update rule
       can see the whole model's gradient.
+    placement: for a device-level schedule, the name of its placement
+      (`placement.names()`) of the S stages on `num_devices` devices; None
+      for a stage-level schedule (each stage its own lane).
+    num_devices: P, for a device-level schedule.
+    overlapped: (forward, backward) pairs of tasks that run as one unit on
+      one device, both from the same tick (DualPipe's overlapped F&B); the
+      device is busy until the later ends.
   """
 
   name: str
@@ -71,6 +86,9 @@ class Schedule:
   backward_covers_minibatch: bool = False
   options: Mapping[str, object] = dataclasses.field(default_factory=dict)
   updates_together: bool = False
+  placement: str | None = None
+  num_devices: int | None = None
+  overlapped: tuple[tuple[Task, Task], ...] = ()
 
   def with_minibatches(self, num_minibatches: int) -> "Schedule":
     """The same schedule (name, sizes, options) over `num_minibatches`."""
@@ -304,6 +322,57 @@ class Schedule:
     return tuple(depth)
 
   @functools.cached_property
+  def placed(self) -> placement_lib.Placement | None:
+    """The `Placement` of a device-level schedule; None for a stage-level one."""
+    if self.placement is None:
+      return None
+    return placement_lib.make(self.placement, self.num_stages,
+                              self.num_devices)
+
+  def device(self, task: Task) -> int:
+    """The device that runs `task` (its stage's, under `placed`)."""
+    if self.placed is None:
+      raise ValueError(f"schedule {self.name!r} has no placement; its tasks "
+                       "run on stages, one lane each")
+    return self._device_of[task.stage]
+
+  @functools.cached_property
+  def _device_of(self) -> tuple[int, ...]:
+    return tuple(self.placed.where(s)[0] for s in range(self.num_stages))
+
+  def _per_device(self, per_stage: np.ndarray) -> np.ndarray:
+    """`per_stage[..., stage]` summed over each device's stages."""
+    return np.stack([per_stage[..., self.placed.stages[d]].sum(axis=-1)
+                     for d in range(self.num_devices)], axis=-1)
+
+  @functools.cached_property
+  def device_busy(self) -> np.ndarray:
+    """`device_busy[tick, device]`: whether the device works in that tick."""
+    return self._per_device(self.busy) > 0
+
+  @functools.cached_property
+  def device_bubble_fraction(self) -> float:
+    """Idle device ticks over all `num_ticks * num_devices`."""
+    return 1.0 - float(self.device_busy.mean())
+
+  @functools.cached_property
+  def device_max_in_flight(self) -> tuple[int, ...]:
+    """Per device, the most micro-batches its stages hold at once (the sum
+    over its stages at each tick, the maximum over ticks)."""
+    count = np.zeros((self.num_ticks + 1, self.num_stages), dtype=int)
+    for (s, _, _), (begin, end) in self.held.items():
+      count[begin, s] += 1
+      count[end, s] -= 1
+    held = self._per_device(np.cumsum(count, axis=0))
+    return tuple(int(x) for x in held.max(axis=0))
+
+  @functools.cached_property
+  def device_stash_depth(self) -> tuple[int, ...]:
+    """Per device, the weight versions its stages keep (`stash_depth` summed
+    over its stages)."""
+    return tuple(int(x) for x in self._per_device(np.array(self.stash_depth)))
+
+  @functools.cached_property
   def staleness(self) -> tuple[int, ...]:
     r"""Per minibatch :math:`p`, the most updates of minibatches before it that
     one of its tasks misses: :math:`\max_{\text{tasks}} (p - \text{version})`."""
@@ -362,6 +431,8 @@ class Schedule:
           raise ValueError(f"{t} overlaps {occupied[(t.stage, tick)]} on "
                            f"stage {t.stage} at tick {tick}")
         occupied[(t.stage, tick)] = t
+    if self.placed is not None:
+      self._validate_devices()
 
     def end(p, s, m, what):
       if (p, s, m, what) not in made:
@@ -407,3 +478,25 @@ class Schedule:
                            f"(tick {ticks[p]}) before that of minibatch "
                            f"{p - 1} (tick {ticks[p - 1]})")
     return self
+
+  def _validate_devices(self) -> None:
+    """A device runs at most one task per tick, but for an overlapped unit."""
+    units = {frozenset(pair) for pair in self.overlapped}
+    for f, b in self.overlapped:
+      if (f.tick != b.tick or self.device(f) != self.device(b)
+          or not self.kind(f).runs_forward or self.kind(b).runs_forward):
+        raise ValueError(f"overlapped pair ({f}, {b}) is invalid: a forward "
+                         "and a backward on one device from one tick")
+    tasks = set(self.tasks)
+    missing = [t for pair in self.overlapped for t in pair if t not in tasks]
+    if missing:
+      raise ValueError(f"overlapped {missing[0]} is not scheduled")
+    occupied = {}
+    for t in self.tasks:
+      d = self.device(t)
+      for tick in range(t.tick, self.end_tick(t)):
+        other = occupied.get((d, tick))
+        if other is not None and frozenset((t, other)) not in units:
+          raise ValueError(f"{t} clashes with {other} on device {d} at tick "
+                           f"{tick}")
+        occupied.setdefault((d, tick), t)

@@ -17,6 +17,7 @@ Examples:
   [('stage 0', 0, 'F', '0'), ('stage 1', 1, 'F', '0'), ('stage 1', 2, 'B', '0'), ('stage 0', 3, 'B', '0')]
 """
 
+import collections
 import json
 import os
 from typing import NamedTuple, Sequence
@@ -77,11 +78,16 @@ def schedule_events(schedule) -> list[TimelineEvent]:
   `p.m` when the schedule has more than one micro-batch per minibatch (for
   TiMePReSt's backward, which covers the whole minibatch, just `p`).
 
+  A device-level schedule (one with a placement) has one row per device,
+  `"device d"`, and the label starts with the task's chunk on it (its slot,
+  `c:p.m`): an overlapped pair is two events that start together.
+
   Args:
     schedule: a `stalepipe.schedules.Schedule`.
 
   Returns:
-    Events with rows `"stage s"`, in task order, times in ticks.
+    Events with rows `"stage s"` (or `"device d"`), in task order, times in
+    ticks.
   """
   events = []
   for t in schedule.tasks:
@@ -89,8 +95,12 @@ def schedule_events(schedule) -> list[TimelineEvent]:
     whole = len(schedule.covered_microbatches(t)) > 1
     if schedule.num_microbatches > 1 and not whole:
       label = f"{t.minibatch}.{t.microbatch}"
-    events.append(TimelineEvent(f"stage {t.stage}", t.tick,
-                                schedule.durations[t.kind], t.kind, label))
+    row = f"stage {t.stage}"
+    if schedule.placed is not None:
+      device, chunk = schedule.placed.where(t.stage)
+      row, label = f"device {device}", f"{chunk}:{label}"
+    events.append(TimelineEvent(row, t.tick, schedule.durations[t.kind],
+                                t.kind, label))
   return events
 
 
@@ -118,14 +128,20 @@ def gantt_png(events: Sequence[TimelineEvent], path: str, *,
   end = max((e.start + e.duration for e in events), default=1.0)
   width = min(40.0, max(6.0, 0.45 * end + 2.0))
   fig, ax = plt.subplots(figsize=(width, 0.55 * len(rows) + 1.4))
+  # Events that start together on one row (an overlapped forward and
+  # backward) share its height, one above the other.
+  together = collections.Counter((e.row, e.start) for e in events)
+  drawn = collections.Counter()
   for e in events:
-    y = index[e.row]
-    ax.add_patch(patches.Rectangle((e.start, y - 0.4), e.duration, 0.8,
+    height = 0.8 / together[(e.row, e.start)]
+    y = index[e.row] - 0.4 + height * drawn[(e.row, e.start)]
+    drawn[(e.row, e.start)] += 1
+    ax.add_patch(patches.Rectangle((e.start, y), e.duration, height,
                                    facecolor=_COLOURS[e.kind],
                                    edgecolor="black", linewidth=0.6))
     if e.label and e.duration > 0:
       size = 8 if len(e.label) <= 2 * e.duration + 1 else 6
-      ax.text(e.start + e.duration / 2, y, e.label, ha="center",
+      ax.text(e.start + e.duration / 2, y + height / 2, e.label, ha="center",
               va="center", fontsize=size)
   ax.set_xlim(0, end)
   ax.set_ylim(len(rows) - 0.5, -0.5)

@@ -65,6 +65,10 @@ def tile(schedule: core.Schedule, num_minibatches: int) -> core.Schedule:
     True
   """
   K = schedule.num_minibatches
+  if schedule.placement is not None:
+    raise ValueError(f"schedule {schedule.name!r} is device-level (placement "
+                     f"{schedule.placement!r}); tile stage-level schedules, "
+                     "or build it over num_minibatches with with_minibatches")
   if num_minibatches < K:
     raise ValueError(f"num_minibatches={num_minibatches!r} is invalid; it must "
                      f"be >= the pattern's {K}")
