@@ -31,10 +31,16 @@ ASYNC = ("1f1b", "pipedream", "2bw", "hetpipe", "timeprest")
 _OPTIONS = {"hetpipe": {"concurrent_minibatches": 2}}
 
 
-def make_schedule(name: str, stages: int, micro: int, minibatches: int):
+def make_schedule(name: str, stages: int, micro: int, minibatches: int,
+                  devices: int = 1):
+  """`name` over `stages` stages; a device-level loop schedule
+  (interleaved-1f1b, looped-bfs) on `devices` devices, S / devices chunks
+  each (one device: every stage a chunk of it, one task a tick)."""
+  options = dict(_OPTIONS.get(name, {}))
+  if sp.schedules.takes_num_devices(name):
+    options["num_devices"] = devices
   return sp.schedules.make(name, num_stages=stages, num_microbatches=micro,
-                           num_minibatches=minibatches,
-                           **_OPTIONS.get(name, {}))
+                           num_minibatches=minibatches, **options)
 
 
 def make_model(stages: int, hidden: int, layers: int, seed: int = 0):

@@ -26,10 +26,12 @@ from stalepipe import sync  # pylint: disable=g-import-not-at-top
 from stalepipe.train import input_pipeline  # noqa: E402
 from stalepipe.train import optimizers  # pylint: disable=g-import-not-at-top
 from stalepipe.train import trainer  # pylint: disable=g-import-not-at-top
+from stalepipe.train import validate  # pylint: disable=g-import-not-at-top
 
 METHODS = ("gpipe", "1f1b", "pipedream", "2bw", "hetpipe_wsp", "timeprest",
            "sapipe", "pipesgd", "sdpipe", "bsp", "zb_h1", "zb_h2", "zb_async",
-           "pipedream_dc", "spectrain", "pipemare")
+           "pipedream_dc", "spectrain", "pipemare", "interleaved_1f1b", "zb_v",
+           "dualpipev")
 CONFIG_FILES = sorted(p.name for p in (ROOT / "configs").glob("*.py")
                       if p.name not in ("common.py", "rules.py"))
 
@@ -53,7 +55,7 @@ def test_config_names_valid_parts(filename):
   assert config.loss in losses.names()
   optimizers.make(config.transforms, config.optimizer, config.optimizer_kwargs,
                   num_replicas=config.num_replicas)
-  assert config.num_replicas * config.num_stages <= 8
+  assert config.num_replicas * validate.stage_devices(config) <= 8
   # The module docstring holds the exact command that runs it.
   doc = runpy.run_path(str(ROOT / "configs" / filename))["__doc__"]
   assert f"--config=configs/{filename}" in doc

@@ -215,8 +215,14 @@ def test_refusals(name, kw, message):
     sp.schedules.make(name, **kw)
 
 
-def test_tile_refuses_device_level_schedules():
-  s = make("zb-v", 2, 4, B=4)
-  with pytest.raises(ValueError, match="is device-level"):
-    sp.sim.tile(s, 8)
-  assert s.with_minibatches(8).placement == "v"
+@pytest.mark.parametrize("name", sp.schedules.DEVICE_LEVEL)
+def test_tile_equals_building_directly(name):
+  """Long streams (the trainer's observed staleness) tile the steady state:
+  the same tasks, versions and overlapped units as building them."""
+  short = make(name, 2, 4, B=12)
+  tiled, direct = sp.sim.tile(short, 31), short.with_minibatches(31)
+  assert tiled.tasks == direct.tasks
+  assert dict(tiled.versions) == dict(direct.versions)
+  assert sorted(tiled.overlapped) == sorted(direct.overlapped)
+  assert (tiled.placement, tiled.num_devices) == (short.placement, 2)
+  tiled.validate()

@@ -14,7 +14,8 @@ from stalepipe.models.losses import cross_entropy as classification_loss  # pyli
 # float32 sums in a different order; a few updates of lr 0.5 keep errors ~1e-7.
 ATOL, RTOL = 2e-6, 1e-5
 _OPTIONS = {"hetpipe": {"concurrent_minibatches": 2}}
-# The executor runs device-level schedules in issue 37, part 2.
+# Device-level schedules take their own sizes and placements:
+# tests/device_schedules_executor_test.py.
 STAGE_LEVEL = tuple(n for n in sp.schedules.names()
                     if n not in sp.schedules.DEVICE_LEVEL)
 

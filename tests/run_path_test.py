@@ -54,7 +54,8 @@ CHARS = {"dataset": "chars", "dataset_kwargs": {"seq_len": 8},
 WAVES = {"schedule": "hetpipe",
          "schedule_kwargs": {"concurrent_minibatches": 2}}
 PLANES = {
-    # The executors run device-level schedules in issue 37, part 2.
+    # Device-level schedules need num_chunks and their placement:
+    # tests/device_schedules_executor_test.py runs their configs.
     "schedule": (tuple(n for n in schedules.names()
                        if n not in schedules.DEVICE_LEVEL), lambda n: {
         "schedule": n, **(WAVES if n == "hetpipe" else {})}),

@@ -135,6 +135,12 @@ BAD = [
     ({"placement": "v", "stage_devices": 1},
      "stage_devices=1 is invalid; valid: 2 (two stages a device) "
      "(num_stages=4, placement='v'), or 0 for num_stages"),
+    ({"num_chunks": 2}, "num_chunks=2 is invalid; valid: 1 for the "
+     "stage-level schedule 'gpipe' (chunks a device holds, for "
+     "interleaved-1f1b, looped-bfs, zb-v, dualpipev;"),
+    ({"schedule": "interleaved-1f1b", "num_chunks": 3}, "num_chunks=3 is "
+     "invalid; valid: a divisor of num_stages=4 (chunks a device holds)"),
+    ({"num_chunks": 0}, "num_chunks=0 is invalid"),
 ]
 
 

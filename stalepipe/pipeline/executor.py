@@ -214,9 +214,11 @@ class Pipeline:
     seed: whence every task's PRNG key, for stages that take `key`
       (`stage.py`: one key per minibatch, micro-batch, stage and replica).
     placement: which stages each device on 'stage' holds
-      (`placement.names()`): "consecutive" (default; device d the d-th run
-      of S/P stages), "loop" (stage s on device s mod P) or "v" (S = 2P;
-      device r holds stages r and 2P-1-r).
+      (`placement.names()`): "consecutive" (device d the d-th run of S/P
+      stages), "loop" (stage s on device s mod P) or "v" (S = 2P; device r
+      holds stages r and 2P-1-r). Default: a device-level schedule's own
+      (interleaved-1f1b, zb-v, ...; `placement.for_schedule`), else
+      "consecutive".
     tied: names of parameters several stages hold (`models.cut(...,
       tied=)`: a head tied to the embedding); their gradients are summed
       over those stages and one update applied on every copy
@@ -239,13 +241,13 @@ class Pipeline:
                mesh: Mesh, sync: sync_lib.SyncPolicy | None = None,
                lowering: str = "nested_switch", remat: str = "recompute",
                layout: str = "packed", optimizer_scope: str = "auto",
-               seed: int = 0, placement: str = "consecutive",
+               seed: int = 0, placement: str | None = None,
                tied: Sequence[str] = ()):
     if tuple(mesh.axis_names) != (DATA, STAGE):
       raise ValueError(f"mesh axes {tuple(mesh.axis_names)} are invalid; "
                        f"valid: ({DATA!r}, {STAGE!r})")
-    self.placement = placement_lib.make(placement, schedule.num_stages,
-                                        mesh.shape[STAGE])
+    self.placement = placement_lib.for_schedule(schedule, mesh.shape[STAGE],
+                                                placement)
     sync = sync or sync_lib.bsp(mesh.shape[DATA])
     contract.check(stage_fns, schedule, optimizer, sync, mesh.shape[DATA])
     residuals_lib.check(remat, schedule, optimizer)

@@ -9,6 +9,7 @@ from stalepipe.schedules.placement import Hop
 from stalepipe.schedules.placement import PARTS
 from stalepipe.schedules.placement import Placement
 from stalepipe.schedules.placement import consecutive
+from stalepipe.schedules.placement import for_schedule
 from stalepipe.schedules.placement import loop
 from stalepipe.schedules.placement import make
 from stalepipe.schedules.placement import names

@@ -8,6 +8,7 @@ Examples:
 """
 
 import dataclasses
+import inspect
 
 from stalepipe import registry
 from stalepipe.schedules import kinds
@@ -45,16 +46,24 @@ PARTS = registry.Registry("schedule", {
     "looped-bfs": looped_bfs,
     "zb-v": zb_v,
     "dualpipev": dualpipev,
-}, filled=("num_stages", "num_microbatches", "num_minibatches"))
+}, filled=("num_stages", "num_microbatches", "num_minibatches",
+           "num_devices"))  # a config names num_chunks; the run fills P
 # Device-level schedules: each names its placement (`Schedule.placement`),
-# and a device runs one task per tick. The executors do not honour the
-# placement yet (issue 37, part 2).
+# and a device runs one task per tick (the executor places them so:
+# `placement.for_schedule`).
 DEVICE_LEVEL = ("interleaved-1f1b", "looped-bfs", "zb-v", "dualpipev")
 
 
 def names() -> tuple[str, ...]:
   """The names `make` accepts."""
   return PARTS.names()
+
+
+def takes_num_devices(name: str) -> bool:
+  """Whether `name` is built for a number of devices (`num_devices`, filled
+  by a run from num_stages / num_chunks): the loop schedules; a V schedule
+  holds two chunks a device."""
+  return "num_devices" in inspect.signature(PARTS.factory(name)).parameters
 
 
 def make(name: str, *, num_stages: int, num_microbatches: int,

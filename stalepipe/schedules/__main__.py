@@ -112,7 +112,7 @@ def main(argv=None) -> int:
   if args.name == "pipedream":
     kwargs["vertical_sync"] = args.vertical_sync
     kwargs["weight_stashing"] = not args.no_weight_stashing
-  if "num_devices" in schedules.PARTS.keys(args.name):
+  if schedules.takes_num_devices(args.name):
     kwargs["num_devices"] = args.devices or max(1, args.stages // 2)
   minibatches = args.minibatches or (
       1 if args.name in ("gpipe", "1f1b", "zb-h1", "zb-h2",

@@ -136,3 +136,38 @@ def names() -> tuple[str, ...]:
 def make(name: str, num_stages: int, num_devices: int) -> Placement:
   """The placement `name` of `num_stages` stages on `num_devices` devices."""
   return PARTS.make(name, num_stages=num_stages, num_devices=num_devices)
+
+
+def for_schedule(schedule, num_devices: int,
+                 name: str | None = None) -> Placement:
+  """Where `schedule`'s stages sit on `num_devices` devices of 'stage'.
+
+  A stage-level schedule takes the placement `name` (default
+  "consecutive"). A device-level schedule (`schedule.placement` set) runs
+  on its own placement: on its P devices, or folded where every device
+  still holds whole devices of it, so the numerics are the schedule's:
+  all on one device, or (loop) on P' devices, P' dividing P, device d'
+  then holding the chunks of devices d' mod P'.
+
+  Raises:
+    ValueError: in one line, where `name` is not the schedule's or the
+      devices do not fold its placement.
+  """
+  own = schedule.placement
+  if own is None:
+    return make(name or "consecutive", schedule.num_stages, num_devices)
+  if name not in (None, own):
+    raise ValueError(f"placement={name!r} is invalid for {schedule.name!r}, "
+                     f"a device-level schedule on the {own!r} placement; "
+                     f"valid: {own!r} (or none: the schedule's)")
+  P = schedule.num_devices
+  if num_devices == P:
+    return make(own, schedule.num_stages, P)
+  if num_devices == 1:
+    return make("consecutive", schedule.num_stages, 1)
+  if own == "loop" and P % num_devices == 0:
+    return make("loop", schedule.num_stages, num_devices)
+  folds = "1 or a divisor of P" if own == "loop" else "1"
+  raise ValueError(f"{num_devices} devices on 'stage' is invalid for "
+                   f"{schedule.name!r} on {P} devices ({own} placement); "
+                   f"valid: {P}, or {folds} (folded)")

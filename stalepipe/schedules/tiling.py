@@ -65,10 +65,6 @@ def tile(schedule: core.Schedule, num_minibatches: int) -> core.Schedule:
     True
   """
   K = schedule.num_minibatches
-  if schedule.placement is not None:
-    raise ValueError(f"schedule {schedule.name!r} is device-level (placement "
-                     f"{schedule.placement!r}); tile stage-level schedules, "
-                     "or build it over num_minibatches with with_minibatches")
   if num_minibatches < K:
     raise ValueError(f"num_minibatches={num_minibatches!r} is invalid; it must "
                      f"be >= the pattern's {K}")
@@ -81,26 +77,30 @@ def tile(schedule: core.Schedule, num_minibatches: int) -> core.Schedule:
   extra = num_minibatches - K
   if extra % q:
     return tile(schedule.with_minibatches(K + extra % q), num_minibatches)
-  out, versions = [], {}
-
-  def add(task, version):
-    out.append(task)
-    versions[(task.minibatch, task.stage, task.kind, task.microbatch)] = version
-
-  for p in range(b):
-    for t in tasks[p]:
-      add(t, schedule.task_version(t))
+  # Each minibatch of the result is a minibatch of `schedule` moved by a
+  # number of ticks, its versions raised by as many: (source, ticks, versions).
+  moves = {p: (p, 0, 0) for p in range(b)}
   for p in range(b, b + extra):
     copies, src = divmod(p - a, q)
-    for t in tasks[a + src]:
-      add(t._replace(tick=t.tick + copies * shift, minibatch=p),
-          schedule.task_version(t) + copies * q)
+    moves[p] = (a + src, copies * shift, copies * q)
   for p in range(b, K):
-    for t in tasks[p]:
-      add(t._replace(tick=t.tick + extra // q * shift, minibatch=p + extra),
-          schedule.task_version(t) + extra)
+    moves[p + extra] = (p, extra // q * shift, extra)
+  moved = lambda t, p, dt: t._replace(tick=t.tick + dt, minibatch=p)  # pylint: disable=unnecessary-lambda-assignment
+  out, versions = [], {}
+  for p, (src, dt, dv) in moves.items():
+    for t in tasks[src]:
+      out.append(moved(t, p, dt))
+      versions[(p, t.stage, t.kind, t.microbatch)] = schedule.task_version(t) + dv
   out.sort(key=lambda t: (t.tick, t.stage))
+  pairs = {}  # a device-level schedule's overlapped units, per minibatch
+  for f, b_ in schedule.overlapped:
+    pairs.setdefault(f.minibatch, []).append((f, b_))
+  overlapped = tuple((moved(f, p, dt), moved(b_, p, dt))
+                     for p, (src, dt, _) in sorted(moves.items())
+                     for f, b_ in pairs.get(src, ()))
   return core.Schedule(
       schedule.name, schedule.num_stages, schedule.num_microbatches,
       num_minibatches, tuple(out), versions, dict(schedule.durations),
-      schedule.backward_covers_minibatch, dict(schedule.options))
+      schedule.backward_covers_minibatch, dict(schedule.options),
+      placement=schedule.placement, num_devices=schedule.num_devices,
+      overlapped=overlapped)

@@ -17,7 +17,6 @@ Examples:
 """
 
 import importlib
-import inspect
 import os
 from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
@@ -177,6 +176,24 @@ def _hook_factories(config) -> list[tuple[Callable[..., Any], dict[str, Any]]]:
   return found
 
 
+def _schedule(config) -> Schedule:
+  """The config's schedule; a device-level one on num_stages / num_chunks
+  devices, holding num_chunks chunks each."""
+  kwargs, S = dict(config.schedule_kwargs), config.num_stages
+  chunks = config.get("num_chunks", 1)
+  if schedules.takes_num_devices(config.schedule):
+    kwargs["num_devices"] = S // chunks
+  schedule = schedules.make(
+      config.schedule, num_stages=S, num_microbatches=config.num_microbatches,
+      num_minibatches=config.minibatches_per_window, **kwargs)
+  if schedule.placement and S // schedule.num_devices != chunks:
+    raise ValueError(f"num_chunks={chunks} is invalid for {config.schedule!r} "
+                     f"with num_stages={S}; valid: "
+                     f"{S // schedule.num_devices} (its {schedule.placement}"
+                     " placement's chunks a device)")
+  return schedule
+
+
 def parts(config: ml_collections.ConfigDict) -> Parts:
   """Checks `config` by building every part it names; one line if one fails.
 
@@ -185,7 +202,7 @@ def parts(config: ml_collections.ConfigDict) -> Parts:
   """
   validate.check(config)
   D, S = config.num_replicas, config.num_stages
-  mesh = make_mesh(D, config.get("stage_devices", 0) or S)
+  mesh = make_mesh(D, validate.stage_devices(config))
   shards, ds = _shards(config, mesh)
   _check_window(config, shards)  # before the schedule and the pipeline
   blocks = models.make(config.model, seed=config.seed, **config.model_kwargs,
@@ -196,16 +213,15 @@ def parts(config: ml_collections.ConfigDict) -> Parts:
     raise ValueError(f"stage_boundaries {config.stage_boundaries} give "
                      f"{len(staged.stage_fns)} stages; valid: "
                      f"num_stages={S} boundaries")
-  schedule = schedules.make(
-      config.schedule, num_stages=S, num_microbatches=config.num_microbatches,
-      num_minibatches=config.minibatches_per_window, **config.schedule_kwargs)
+  schedule = _schedule(config)
   loss_fn = losses.make(config.loss)
   pipeline = executor.Pipeline(
       staged.stage_fns, loss_fn, schedule,
       optimizers.from_config(config, num_replicas=D), mesh,
       sync=_sync(config, schedule), remat=config.get("remat", "recompute"),
       optimizer_scope=config.get("optimizer_scope", "auto"),
-      placement=config.get("placement", "consecutive"))
+      placement=config.get("placement", "consecutive"))  # a device-level
+  #   schedule refuses any but its own (`placement.for_schedule`)
   run = Parts(config, mesh, shards, (ds.x_test, ds.y_test), staged, loss_fn,
               schedule, pipeline, _hook_factories(config))
   run.batch(0)  # a window that does not fit the data fails here

@@ -61,6 +61,7 @@ TOP_LEVEL = {
                          "an integer >= 0 (0: only at the end)"),
     "keep_checkpoints": _POSITIVE_INT,
     "plots": _BOOL,
+    "num_chunks": _POSITIVE_INT,
 }
 SCHEDULE_KWARGS = {"concurrent_minibatches": _POSITIVE_INT,
                    "vertical_sync": _BOOL}
@@ -268,13 +269,35 @@ def _check_remat(config) -> None:
                   " or ".join(map(repr, residuals_lib.REMATS))))
 
 
+def stage_devices(config) -> int:
+  """Devices on the mesh's 'stage' axis: `stage_devices`, or by default
+  `num_stages` (a device-level schedule: num_stages / num_chunks)."""
+  default = config.num_stages
+  if config.schedule in schedules.DEVICE_LEVEL:
+    default //= config.get("num_chunks", 1)
+  return config.get("stage_devices", 0) or default
+
+
 def _check_placement(config) -> None:
   """`placement` names one, and `stage_devices` fits `num_stages` there
-  (building the placement checks it)."""
+  (building the placement checks it); `num_chunks` (v) divides `num_stages`
+  for a device-level schedule, whose placement is its own (checked when the
+  pipeline is built, `placement.for_schedule`), and is 1 for the others."""
   name = config.get("placement", "consecutive")
   if name not in placement_lib.names():
     _fail("placement", name, ", ".join(placement_lib.names()))
-  devices = config.get("stage_devices", 0) or config.num_stages
+  chunks = config.get("num_chunks", 1)
+  if config.schedule in schedules.DEVICE_LEVEL:
+    if config.num_stages % chunks:
+      _fail("num_chunks", chunks, f"a divisor of num_stages="
+            f"{config.num_stages} (chunks a device holds)")
+    return
+  if chunks != 1:
+    _fail("num_chunks", chunks, f"1 for the stage-level schedule "
+          f"{config.schedule!r} (chunks a device holds, for "
+          f"{', '.join(schedules.DEVICE_LEVEL)}; fold a stage-level schedule "
+          "with stage_devices and placement)")
+  devices = stage_devices(config)
   try:
     placement_lib.make(name, config.num_stages, devices)
   except ValueError as e:

@@ -1,0 +1,190 @@
+"""Device-level schedules (interleaved 1F1B, looped BFS, ZB-V, DualPipeV) run
+by the executor on their own placements.
+
+Each is synchronous (every task of minibatch p reads version p), so each
+trains what unpipelined training does, and what 1F1B trains, to float32
+rounding; and the executor equals the oracle running the same table.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import stalepipe as sp
+from stalepipe.models.losses import cross_entropy
+from stalepipe.pipeline import executor
+from stalepipe.pipeline import reference
+from stalepipe.train import build
+from tests.run_path_test import tiny
+
+ATOL, RTOL = 2e-6, 2e-5
+LOOP = ("interleaved-1f1b", "looped-bfs")  # take num_devices; V: P = S / 2
+
+
+def _make(name, P, M, B=2, v=2):
+  options = {"num_devices": P} if name in LOOP else {}
+  return sp.schedules.make(name, num_stages=v * P, num_microbatches=M,
+                           num_minibatches=B, **options)
+
+
+def _windows(num, B, M, n, seed=1):
+  rng = np.random.default_rng(seed)
+  return [(rng.normal(size=(B, M, n, 8)).astype(np.float32),
+           rng.integers(0, 4, size=(B, M, n)).astype(np.int32))
+          for _ in range(num)]
+
+
+def _close(got, want):
+  for a, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+    np.testing.assert_allclose(a, w, atol=ATOL, rtol=RTOL)
+
+
+def _unpipelined(staged, optimizer, windows):
+  """Plain optax on the whole model, one update per minibatch."""
+  model = sp.models.unpipelined(staged)
+  params, opt_state = staged.stage_params, optimizer.init(staged.stage_params)
+  for x, y in windows:
+    for p in range(x.shape[0]):
+      grads = jax.grad(lambda w: jnp.mean(jnp.stack(
+          [cross_entropy(model(w, x[p, m]), y[p, m])  # pylint: disable=cell-var-from-loop
+           for m in range(x.shape[1])])))(params)
+      updates, opt_state = optimizer.update(grads, opt_state, params)
+      params = optax.apply_updates(params, updates)
+  return params
+
+
+@pytest.mark.parametrize("name,D,P,devices", [
+    pytest.param("interleaved-1f1b", 2, 2, 2, marks=pytest.mark.slow),
+    pytest.param("interleaved-1f1b", 2, 4, 4, marks=pytest.mark.slow),
+    pytest.param("interleaved-1f1b", 1, 4, 2, marks=pytest.mark.slow),
+    pytest.param("looped-bfs", 1, 2, 1, marks=pytest.mark.slow),
+    pytest.param("zb-v", 2, 2, 2, marks=pytest.mark.slow),
+    pytest.param("zb-v", 2, 4, 4, marks=pytest.mark.slow),
+    pytest.param("dualpipev", 1, 2, 2, marks=pytest.mark.slow),
+    pytest.param("dualpipev", 1, 2, 1, marks=pytest.mark.slow)])
+def test_device_level_schedules_equal_unpipelined_training(name, D, P,
+                                                           devices):
+  """On P devices (its placement) or folded onto `devices` of them."""
+  M = 2 * P  # DualPipeV needs M >= 2P; interleaved: a multiple of M // P
+  schedule = _make(name, P, M)
+  S = schedule.num_stages
+  staged = sp.models.split(sp.models.mlp(8, 6, S - 1, 4, seed=S), S)
+  mesh = jax.make_mesh((D, devices), ("data", "stage"),
+                       devices=jax.devices()[:D * devices])
+  pipe = executor.Pipeline(staged.stage_fns, cross_entropy, schedule,
+                           optax.adam(0.05), mesh)
+  folded = "consecutive" if devices == 1 else "loop"
+  assert pipe.placement.name == (schedule.placement if devices == P
+                                 else folded)
+  windows = _windows(2, 2, M, 2 * D)
+  state = pipe.init(staged.stage_params)
+  for x, y in windows:
+    state, _ = pipe.step(state, x, y)
+  state, _ = pipe.drain(state)  # ZB-V: a stage may owe the last update
+  _close(pipe.params(state), _unpipelined(staged, optax.adam(0.05), windows))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sp.schedules.DEVICE_LEVEL)
+def test_the_executor_equals_the_oracle_on_the_same_table(name):
+  P, M, D = 2, 4, 2
+  schedule = _make(name, P, M)
+  S = schedule.num_stages
+  staged = sp.models.split(sp.models.mlp(8, 6, S - 1, 4, seed=3), S)
+  optimizer = optax.sgd(0.5)
+  mesh = jax.make_mesh((D, P), ("data", "stage"), devices=jax.devices()[:D * P])
+  pipe = executor.Pipeline(staged.stage_fns, cross_entropy, schedule,
+                           optimizer, mesh)
+  ref = reference.Pipeline(staged.stage_fns, cross_entropy, schedule,
+                           optimizer, num_replicas=D)
+  one = reference.Pipeline(staged.stage_fns, cross_entropy,
+                           sp.schedules.make("1f1b", num_stages=S,
+                                             num_microbatches=M,
+                                             num_minibatches=2),
+                           optimizer, num_replicas=D)
+  es, rs, os_ = (p.init(staged.stage_params) for p in (pipe, ref, one))
+  for x, y in _windows(3, 2, M, 2 * D):
+    es, em = pipe.step(es, x, y)
+    rs, rm = ref.step(rs, x, y)
+    os_, _ = one.step(os_, x, y)
+    np.testing.assert_allclose(float(em["loss"]), float(rm["loss"]),
+                               rtol=1e-5)
+  es, _ = pipe.drain(es)
+  rs, _ = ref.drain(rs)
+  os_, _ = one.drain(os_)
+  for r in range(D):
+    _close(pipe.params(es, r), ref.params(rs, r))
+    _close(pipe.params(es, r), one.params(os_, r))
+
+
+@pytest.mark.slow
+def test_a_whole_model_rule_on_interleaved_1f1b_equals_unpipelined_training():
+  P, M = 2, 4
+  schedule = _make("interleaved-1f1b", P, M)
+  S = schedule.num_stages
+  staged = sp.models.split(sp.models.mlp(8, 6, S - 1, 4, seed=2), S)
+  make = lambda: optax.chain(optax.clip_by_global_norm(0.5),  # pylint: disable=unnecessary-lambda-assignment
+                             optax.adamw(0.05))
+  mesh = jax.make_mesh((1, P), ("data", "stage"), devices=jax.devices()[:P])
+  pipe = executor.Pipeline(staged.stage_fns, cross_entropy, schedule, make(),
+                           mesh)
+  assert pipe.optimizer_scope == "model"
+  windows = _windows(2, 2, M, 2)
+  state = pipe.init(staged.stage_params)
+  for x, y in windows:
+    state, _ = pipe.step(state, x, y)
+  state, _ = pipe.drain(state)
+  _close(pipe.params(state), _unpipelined(staged, make(), windows))
+
+
+def test_placements_that_are_not_the_schedules_are_refused_in_one_line():
+  staged = sp.models.split(sp.models.mlp(8, 6, 7, 4), 8)
+  for name, devices, given, match in (
+      ("zb-v", 2, None, r"2 devices on 'stage' is invalid for 'zb-v' on 4 "
+       r"devices \(v placement\); valid: 4, or 1 \(folded\)"),
+      ("interleaved-1f1b", 3, None, r"3 devices on 'stage' is invalid"),
+      ("interleaved-1f1b", 4, "consecutive", r"placement='consecutive' is "
+       r"invalid for 'interleaved-1f1b', a device-level schedule on the "
+       r"'loop' placement; valid: 'loop'")):
+    if devices == 3:
+      with pytest.raises(ValueError, match=match):
+        sp.pipeline.placement.for_schedule(_make(name, 4, 8), devices, given)
+      continue
+    mesh = jax.make_mesh((1, devices), ("data", "stage"),
+                         devices=jax.devices()[:devices])
+    with pytest.raises(ValueError, match=match) as e:
+      executor.Pipeline(staged.stage_fns, cross_entropy, _make(name, 4, 8),
+                        optax.sgd(0.1), mesh, placement=given)
+    assert "\n" not in str(e.value)
+
+
+def _config(name, **overrides):
+  config = tiny(schedule=name, placement="v" if name in ("zb-v", "dualpipev")
+                else "loop", num_stages=4, num_chunks=2, num_microbatches=4,
+                num_replicas=1)
+  config.model_kwargs.num_hidden_layers = 3
+  config.update(overrides)
+  return config
+
+
+@pytest.mark.parametrize("name", sp.schedules.DEVICE_LEVEL)
+def test_a_config_runs_the_schedule_on_its_placement(name):
+  parts = build.parts(_config(name))
+  assert parts.mesh.shape["stage"] == parts.schedule.num_devices == 2
+  assert parts.pipeline.placement.name == parts.schedule.placement
+
+
+@pytest.mark.parametrize("overrides,message", [
+    ({"placement": "consecutive"}, "placement='consecutive' is invalid for "
+     "'zb-v', a device-level schedule on the 'v' placement; valid: 'v'"),
+    ({"num_chunks": 4}, "num_chunks=4 is invalid for 'zb-v' with "
+     "num_stages=4; valid: 2 (its v placement's chunks a device)"),
+    ({"stage_devices": 4}, "4 devices on 'stage' is invalid for 'zb-v' on 2 "
+     "devices (v placement); valid: 2, or 1 (folded)")])
+def test_a_config_that_is_not_the_schedules_is_one_line(overrides, message):
+  with pytest.raises(ValueError) as e:
+    build.parts(_config("zb-v", **overrides))
+  assert str(e.value).startswith(message) and "\n" not in str(e.value), (
+      str(e.value))
