@@ -50,11 +50,13 @@ AX = "i"
 #   perm: "partial" (a shift: the edge device sends nothing) | "full" (cyclic)
 #   task: "switch" (the 3-way task switch) | "plain" (both tasks computed,
 #     no branch)
+#   psum: "none" | "cond": also a psum over the axis under a cond on a
+#     replicated predicate (the executor's update: a replica all-reduce)
 #   scan: ticks in a lax.scan (else one tick, unrolled T times: no loop)
 #   axis: "explicit" | "auto" mesh axis types; check_vma: shard_map's
 #   n: devices; T: ticks; W: row width (float32)
 BASE = dict(fwd="plain", bwd="cond", pred="replicated", perm="partial",
-            task="switch", scan=True, axis="explicit", check_vma=False,
+            task="switch", psum="none", scan=True, axis="explicit", check_vma=False,
             n=2, T=64, W=256)
 FORMS = {
     "base": {},  # one ppermute under a cond, one outside: FAULT
@@ -73,6 +75,7 @@ FORMS = {
     "same_both_branches": dict(bwd="same"),
     "both_plain": dict(bwd="plain"),
     "both_plain_full": dict(bwd="plain", perm="full"),
+    "plain_sends_psum_cond": dict(bwd="plain", psum="cond"),
 }
 
 
@@ -137,6 +140,10 @@ def build(form):
                    slots[0]["out_f"]]
       arrived_b = [slots[1]["out_b"],
                    send(form["bwd"], pb, slots[0]["out_b"], down)]
+      if form["psum"] == "cond":  # e.g. an update's gradient all-reduce
+        arrived_b[0] = arrived_b[0] + jax.lax.cond(
+            pb, lambda v: jax.lax.psum(v, AX), lambda v: v * 0,
+            slots[0]["acts"][0])
       new = []
       for j, slot in enumerate(slots):
         s = stages[j]
