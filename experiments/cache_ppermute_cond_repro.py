@@ -52,11 +52,15 @@ AX = "i"
 #     no branch)
 #   psum: "none" | "cond": also a psum over the axis under a cond on a
 #     replicated predicate (the executor's update: a replica all-reduce)
+#   fwd_row: what the +1 send carries: "outbox" (last tick's row, ready when
+#     the tick starts) | "fresh" (that row through a switch on this tick's
+#     task, whose branches cost differently: ready at another time on each
+#     device)
 #   scan: ticks in a lax.scan (else one tick, unrolled T times: no loop)
 #   axis: "explicit" | "auto" mesh axis types; check_vma: shard_map's
 #   n: devices; T: ticks; W: row width (float32)
 BASE = dict(fwd="plain", bwd="cond", pred="replicated", perm="partial",
-            task="switch", psum="none", scan=True, axis="explicit", check_vma=False,
+            task="switch", psum="none", fwd_row="outbox", scan=True, axis="explicit", check_vma=False,
             n=2, T=64, W=256)
 FORMS = {
     "base": {},  # one ppermute under a cond, one outside: FAULT
@@ -76,6 +80,7 @@ FORMS = {
     "both_plain": dict(bwd="plain"),
     "both_plain_full": dict(bwd="plain", perm="full"),
     "plain_sends_psum_cond": dict(bwd="plain", psum="cond"),
+    "plain_sends_fresh_row": dict(bwd="plain", fwd_row="fresh"),
 }
 
 
@@ -136,7 +141,12 @@ def build(form):
         pb = jnp.any(rb[np.array([1])] >= 0)  # device 0 slot 1 files
       else:
         pf, pb = rf[stages[0]] >= 0, rb[stages[1]] >= 0
-      arrived_f = [send(form["fwd"], pf, slots[1]["out_f"], up),
+      row = slots[1]["out_f"]
+      if form["fwd_row"] == "fresh":
+        row = jax.lax.switch(task[stages[1]], [
+            lambda v: v, lambda v: jnp.tanh(v) * 0.9,
+            lambda v: v + 1e-3 * jnp.tanh(jnp.outer(v, v)).sum(0)], row)
+      arrived_f = [send(form["fwd"], pf, row, up),
                    slots[0]["out_f"]]
       arrived_b = [slots[1]["out_b"],
                    send(form["bwd"], pb, slots[0]["out_b"], down)]
