@@ -50,6 +50,8 @@ AX = "i"
 #   perm: "partial" (a shift: the edge device sends nothing) | "full" (cyclic)
 #   task: "switch" (the 3-way task switch) | "plain" (both tasks computed,
 #     no branch)
+#   filing: "slot" (a dynamic_update_slice into the slot the table names)
+#     | "blend" (every buffer row blended with what arrived, no indexing)
 #   psum: "none" | "cond": also a psum over the axis under a cond on a
 #     replicated predicate (the executor's update: a replica all-reduce)
 #   fwd_row: what the +1 send carries: "outbox" (last tick's row, ready when
@@ -60,7 +62,7 @@ AX = "i"
 #   axis: "explicit" | "auto" mesh axis types; check_vma: shard_map's
 #   n: devices; T: ticks; W: row width (float32)
 BASE = dict(fwd="plain", bwd="cond", pred="replicated", perm="partial",
-            task="switch", psum="none", fwd_row="outbox", scan=True, axis="explicit", check_vma=False,
+            task="switch", filing="slot", psum="none", fwd_row="outbox", scan=True, axis="explicit", check_vma=False,
             n=2, T=64, W=256)
 FORMS = {
     "base": {},  # one ppermute under a cond, one outside: FAULT
@@ -75,6 +77,7 @@ FORMS = {
     "only_cond_send": dict(fwd="off"),
     "no_task_switch": dict(task="plain"),
     "small_rows": dict(W=4),
+    "no_filing_slots": dict(filing="blend"),
     # what the executor could use instead
     "same_both_branches": dict(bwd="same"),
     "both_plain": dict(bwd="plain"),
@@ -157,10 +160,14 @@ def build(form):
       new = []
       for j, slot in enumerate(slots):
         s = stages[j]
-        acts = slot["acts"].at[jnp.where(rf[s] >= 0, rf[s], C)].set(
-            arrived_f[j])
-        cots = slot["cots"].at[jnp.where(rb[s] >= 0, rb[s], C)].set(
-            arrived_b[j])
+        if form["filing"] == "slot":
+          acts = slot["acts"].at[jnp.where(rf[s] >= 0, rf[s], C)].set(
+              arrived_f[j])
+          cots = slot["cots"].at[jnp.where(rb[s] >= 0, rb[s], C)].set(
+              arrived_b[j])
+        else:  # every buffer row takes in what arrived
+          acts = slot["acts"] * 0.5 + arrived_f[j]
+          cots = slot["cots"] * 0.5 + arrived_b[j]
         a = at[s]
         forward = lambda o, a=a, j=j: (jnp.tanh(acts[a] * (1.5 + j)), o[1])  # pylint: disable=unnecessary-lambda-assignment
         backward = lambda o, a=a: (o[0], cots[a] * 0.5 + acts[a])  # pylint: disable=unnecessary-lambda-assignment
