@@ -7,9 +7,11 @@ small `shard_map` program fresh (no cache hit) and runs it; then it calls
 loading the executable from the persistent cache (the cache-hit events are
 counted), comparing every output with the fresh one bit for bit. A second
 child process (same cache dir) loads it and compares again. A child that
-aborts (XLA:CPU's rendezvous check fails) or hangs counts as a fault.
+aborts (XLA:CPU's rendezvous check fails) or hangs after its fresh run counts
+as a fault.
 
-Prints one line per form, `OK` or `FAULT`, with what each phase saw:
+Prints one line per form, `OK`, `FAULT`, or `?` (the fresh compile itself
+failed, or nothing came from the cache), with what each phase saw:
 
     python experiments/cache_ppermute_cond_repro.py [--forms a,b] [--repeats 3]
 
