@@ -123,9 +123,18 @@ def test_every_schedule_folded_equals_the_oracle(name, P):
     pytest.param("v", "zb-h1", 2, "residuals", marks=pytest.mark.slow),
     pytest.param("loop", "pipedream", 2, "residuals", marks=pytest.mark.slow),
     pytest.param("v", "no-stash", 2, "recompute", marks=pytest.mark.slow),
+    pytest.param("v", "pipedream", 1, "recompute", marks=pytest.mark.slow),
     pytest.param("loop", "zb-h2", 2, "residuals", marks=pytest.mark.slow)])
 def test_loop_and_v_placements_equal_the_oracle(placement, name, P, remat):
   _check(name, P, placement, remat=remat)
+
+
+@pytest.mark.slow
+def test_a_zig_zag_of_four_legs_equals_the_oracle():
+  """S = 8 on 2 devices under "v": device 0 holds stages 0, 3, 4, 7."""
+  assert placement_lib.make("v", 8, 2).stages.tolist() == [[0, 3, 4, 7],
+                                                           [1, 2, 5, 6]]
+  _check("pipedream", 2, "v", S=8)
 
 
 _POLICIES = {
@@ -241,7 +250,8 @@ def test_pipedream_keeps_s_minus_one_versions_a_stage_folded_on_one_device():
 
 
 @pytest.mark.parametrize("name,S,P", [("consecutive", 8, 4), ("loop", 8, 2),
-                                      ("v", 8, 4), ("consecutive", 6, 1)])
+                                      ("v", 8, 4), ("v", 12, 4), ("v", 6, 1),
+                                      ("consecutive", 6, 1)])
 def test_every_stage_sends_to_its_neighbours_exactly_once(name, S, P):
   placement = placement_lib.make(name, S, P)
   assert sorted(placement.stages.ravel().tolist()) == list(range(S))
@@ -271,9 +281,8 @@ def test_bad_placements_are_refused_in_one_line():
     executor.Pipeline(staged.stage_fns, cross_entropy, schedule,
                       optax.sgd(0.5), _mesh(1, 2), placement="ring")
   with pytest.raises(ValueError, match=re.escape(
-      "1 devices on 'stage' is invalid for 4 stages in a V placement; "
-      "valid: 2 (two stages a device)")):
-    placement_lib.make("v", 4, 1)
+      "4 devices on 'stage' is invalid for 6 stages; valid: a divisor of 6")):
+    placement_lib.make("v", 6, 4)
 
 
 @pytest.mark.slow

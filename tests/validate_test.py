@@ -132,8 +132,8 @@ BAD = [
      ">= 0 (0: num_stages)"),
     ({"placement": "ring"}, "placement='ring' is invalid; valid: consecutive, "
      "loop, v"),
-    ({"placement": "v", "stage_devices": 1},
-     "stage_devices=1 is invalid; valid: 2 (two stages a device) "
+    ({"placement": "v", "stage_devices": 3},
+     "stage_devices=3 is invalid; valid: a divisor of 4 "
      "(num_stages=4, placement='v'), or 0 for num_stages"),
     ({"num_chunks": 2}, "num_chunks=2 is invalid; valid: 1 for the "
      "stage-level schedule 'gpipe' (chunks a device holds, for "

@@ -14,9 +14,12 @@ A placement is the table `stages[d, j]`, the stage in slot j of device d:
   one stage per device, P = 1 the whole pipeline on one device);
 - "loop": stage s on device s mod P, slot s // P (Interleaved 1F1B,
   Narayanan et al. 2021 §2.2; MaxText's circular pipeline);
-- "v": F = 2, device r holds stages r and 2P - 1 - r (ZB-V, Qi et al. 2024
-  §6; DualPipeV). torch's `generate_stage_to_rank_mapping` and JaxPP's
-  `get_mpmd_idx` use these formulas.
+- "v": the zig-zag: stage s = kP + i, on leg k = s // P, sits on device i
+  where k is even and P - 1 - i where k is odd, slot k (JaxPP's
+  `divmod(s, P)`). With two legs (F = 2) device r holds stages r and
+  2P - 1 - r (ZB-V, Qi et al. 2024 §6; DualPipeV); torch's
+  `generate_stage_to_rank_mapping` and JaxPP's `get_mpmd_idx` use these
+  formulas.
 
 A stage's output goes to stage s + 1, which may sit in another slot of the
 same device, on the next device, or (loop, v) wrap around or run backwards
@@ -30,6 +33,8 @@ Examples:
   [[0, 2], [1, 3]]
   >>> make("v", 4, 2).stages.tolist()
   [[0, 3], [1, 2]]
+  >>> make("v", 6, 2).stages.tolist()
+  [[0, 3, 4], [1, 2, 5]]
 """
 
 from typing import NamedTuple
@@ -93,14 +98,10 @@ class Placement(NamedTuple):
                  for (j, k), pairs in sorted(groups.items()))
 
 
-def _check(num_stages: int, num_devices: int, slots: int | None = None):
+def _check(num_stages: int, num_devices: int):
   if num_devices < 1 or num_stages % num_devices:
     raise ValueError(f"{num_devices} devices on 'stage' is invalid for "
                      f"{num_stages} stages; valid: a divisor of {num_stages}")
-  if slots is not None and num_stages != slots * num_devices:
-    raise ValueError(f"{num_devices} devices on 'stage' is invalid for "
-                     f"{num_stages} stages in a V placement; valid: "
-                     f"{num_stages // 2} (two stages a device)")
 
 
 def consecutive(num_stages: int, num_devices: int) -> Placement:
@@ -117,10 +118,13 @@ def loop(num_stages: int, num_devices: int) -> Placement:
 
 
 def v(num_stages: int, num_devices: int) -> Placement:
-  """Device r holds stages r and 2P - 1 - r (S = 2P)."""
-  _check(num_stages, num_devices, slots=2)
-  r = np.arange(num_devices)
-  return Placement("v", np.stack([r, 2 * num_devices - 1 - r], axis=1))
+  """The zig-zag of S / P legs: slot k of device r holds stage kP + r on an
+  even leg, kP + P - 1 - r on an odd one (S = 2P: stages r and 2P - 1 - r)."""
+  _check(num_stages, num_devices)
+  P, r = num_devices, np.arange(num_devices)
+  return Placement("v", np.stack(
+      [k * P + (r if k % 2 == 0 else P - 1 - r)
+       for k in range(num_stages // P)], axis=1))
 
 
 PARTS = registry.Registry(
