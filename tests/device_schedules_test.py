@@ -15,7 +15,6 @@ import pytest
 
 import stalepipe as sp
 from stalepipe import theory
-from stalepipe.schedules import stashed
 from tests._sources import pipelining
 
 KIND = {"F": "F", "B": "B", "I": "BI", "W": "BW"}
@@ -249,7 +248,7 @@ def missed(schedule):
   return [p - schedule.version(p, s, "F") for s in range(schedule.num_stages)]
 
 
-@pytest.mark.parametrize("P", range(1, 11))
+@pytest.mark.parametrize("P", range(1, 13))
 def test_pipedream_v_version_map_stash_and_bubble(P):
   """Every task of minibatch p on chunk s reads max(0, p - d_s), its
   backward its forward's version; every device keeps P + 2 versions (P
@@ -264,21 +263,28 @@ def test_pipedream_v_version_map_stash_and_bubble(P):
   assert entry[1] - entry[0] == 4
 
 
-@pytest.mark.parametrize("P,v", [(2, 2), (4, 3), (8, 3), (6, 2), (2, 3),
-                                 (4, 5), (4, 2), (8, 2), (3, 2), (3, 3)])
-def test_pipedream_interleaved_version_map(P, v):
-  """d_s = floor((b_s - a_s) / 2v) from a minibatch's offsets; P - 1 -
-  floor(s / v) where no two chunks of a device collide mod 2v (P even,
-  gcd(P / 2, v) = 1)."""
-  s = make("pipedream-interleaved", P, 1, B=8 * P, v=v)
-  at = stashed.offsets(s.placed, 2 * v)
-  d = [(at[("B", k)] - at[("F", k)]) // (2 * v) for k in range(v * P)]
+def d_loop(P, v, s):
+  """pipedream-interleaved's d_s (`pipedream_interleaved.py`)."""
+  wrap = next(w for w in range(2 * v) if (P + w) % 2 == 0
+              and math.gcd((P + w) // 2, v) == 1) if min(P, v) > 1 else 0
+  return (2 * v * P - 1 - 2 * s + 2 * wrap * (v - 1 - s // P)) // (2 * v)
+
+
+@pytest.mark.parametrize("P", range(1, 9))
+@pytest.mark.parametrize("v", range(1, 5))
+def test_pipedream_interleaved_version_map_and_bubble(P, v):
+  """Every task of minibatch p on chunk s reads max(0, p - d_s); P - 1 -
+  floor(s / v) where no wait is needed (P even, gcd(P / 2, v) = 1); a
+  minibatch every 2v ticks and no device idles in the steady state."""
+  s = make("pipedream-interleaved", P, 1, B=4 * P + 4, v=v)
+  d = [d_loop(P, v, k) for k in range(v * P)]
   for t in s.tasks:
     assert s.task_version(t) == max(0, t.minibatch - d[t.stage]), t
   if P % 2 == 0 and math.gcd(P // 2, v) == 1:
     assert d == [P - 1 - k // v for k in range(v * P)]
   entry = {t.minibatch: t.tick for t in s.tasks if (t.stage, t.kind) == (0, "F")}
-  assert s.device_busy[entry[4 * P]:entry[5 * P]].all()
+  assert entry[1] - entry[0] == 2 * v
+  assert s.device_busy[entry[2 * P + 2]:entry[3 * P + 2]].all()
 
 
 @pytest.mark.parametrize("P", [4, 8])

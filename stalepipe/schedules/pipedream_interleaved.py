@@ -6,19 +6,23 @@ interleaved 1F1B (`interleaved.py`: stage s on device s mod P, v = S / P
 chunks a device), one task a device a tick, one minibatch entering every
 :math:`2v` ticks (`stashed.py`). No framework runs it.
 
-Version map: chunk s of minibatch p reads :math:`\max(0, p - d_s)` with
-:math:`d_s = \lfloor (b_s - a_s) / 2v \rfloor` (`stashed.py`). Where the
-first ticks free of collisions are the ideal ones, :math:`a_s = s` and
-:math:`b_s = 2S - 1 - s` (P even and :math:`\gcd(P/2, v) = 1`, e.g. v = 3
-on 4 or 8 devices, or P = 2, v = 2),
+Version map: chunk s of minibatch p reads :math:`\max(0, p - d_s)`. A
+minibatch waits :math:`\delta` ticks each time it returns from device P - 1
+to device 0, both ways, :math:`\delta` the least with :math:`P + \delta`
+even and :math:`\gcd((P + \delta) / 2, v) = 1` (v > 1), so that a device's
+v forwards take the residues mod 2v of one parity and its v backwards the
+others; with :math:`a_s = s + \delta \lfloor s/P \rfloor` and
+:math:`b_s = 2S - 1 + 2(v - 1)\delta - s - \delta \lfloor s/P \rfloor`
+(`stashed.py`),
 
-.. math:: d_s = P - 1 - \lfloor s / v \rfloor,
+.. math:: d_s = \left\lfloor \frac{2S - 1 - 2s
+          + 2\delta\,(v - 1 - \lfloor s/P \rfloor)}{2v} \right\rfloor,
 
-the stage-level PipeDream's :math:`S - 1 - s` divided by v: a minibatch
-enters every 2v ticks, not every 2. Otherwise a device's chunks collide
-mod 2v and the fewest delays lengthen the round trip (v = 2 on 4 devices:
-:math:`d = (4, 4, 3, 3, 2, 1, 0, 0)`; on 8: :math:`(8, 8, 7, 7, 6, 6, 5,
-5, 4, 3, 2, 2, 1, 1, 0, 0)`); `docs/schedules.md` lists them.
+which is :math:`P - 1 - \lfloor s/v \rfloor` where :math:`\delta = 0` (P
+even, :math:`\gcd(P/2, v) = 1`: v = 3 on 4 or 8 devices): stage-level
+PipeDream's :math:`S - 1 - s` divided by v, a minibatch entering every 2v
+ticks, not every 2. v = 2 on 4 or 8 devices waits :math:`\delta = 2`:
+:math:`d = (4, 4, 3, 3, 1, 1, 0, 0)` on 4 devices.
 
 References:
   Narayanan et al, PipeDream: Generalized Pipeline Parallelism for DNN

@@ -12,13 +12,13 @@ Version map: chunk s of minibatch p reads :math:`\max(0, p - d_s)` with
                               P - \lceil s/2 \rceil & P \text{ even}
                 \end{cases}
 
-With P odd a minibatch's tasks never collide mod 4 on a device, so stage s
-runs its forward s ticks and its backward 2S - 1 - s ticks after entry, and
-the minibatches entering in between, :math:`\lfloor (2S - 1 - 2s) / 4
-\rfloor` of them, are missed: the stage-level PipeDream's S - 1 - s
-halved. With P even, stage S - 1's backward and stage 0's would collide
-with the forwards, and the fewest delays (two ticks) put every backward
-but the last stage's one or two ticks later (`stashed.offsets`), one more
+With P odd a minibatch's four tasks on a device never share a residue
+mod 4, so stage s runs its forward s ticks and its backward 2S - 1 - s
+ticks after entry, and the minibatches entering every 4 ticks in between,
+:math:`\lfloor (2S - 1 - 2s) / 4 \rfloor` of them, are missed: stage-level
+PipeDream's S - 1 - s halved. With P even a device's forward of one chunk
+and backward of the other would share one; the minibatch waits two ticks
+at the turn (`stashed.py`), every backward two ticks later: one more
 missed minibatch on the even stages.
 
 Stash: the round trips of a device's two chunks add up to 2S ticks, half a

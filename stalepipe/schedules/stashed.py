@@ -11,13 +11,15 @@ the end of that backward. Minibatch p + 1 enters while p is in flight.
 Every minibatch does what the previous one did, a period :math:`T` ticks
 later: PipeDream's 1F1B carried to chunks. With :math:`T = 2v`, each
 device's share of a minibatch, no device idles once the pipeline is full.
-A minibatch's 2S tasks sit at fixed offsets from its entry: in the order it
-meets them (forwards up the stages, backwards down), each after the last,
-on a residue mod :math:`T` that no other task of its device holds, with
-the fewest idle ticks in all (`offsets`). So the tasks of different
-minibatches never meet on a device (which to run first, PipeDream's
-backward-first rule, never arises), and forward :math:`a_s` and backward
-:math:`b_s` of stage s give the version map
+A minibatch's 2S tasks sit at fixed offsets from its entry, forwards up the
+stages and backwards down, each the tick after the last but for `wrap`
+ticks at each return from the last device to the first (the loop's rounds)
+and `turn` ticks between the last stage's forward and its backward: the
+fewest that put a device's 2v tasks on distinct residues mod :math:`T`
+(`offsets`). So the tasks of different minibatches never meet on a device
+(which to run first, PipeDream's backward-first rule, never arises), and
+forward :math:`a_s` and backward :math:`b_s` of stage s give the version
+map
 
 .. math:: \text{version}_s(p) = \max(0, p - d_s), \quad
           d_s = \lfloor (b_s - a_s) / T \rfloor,
@@ -36,43 +38,36 @@ from stalepipe.schedules.core import Schedule, Task
 
 
 def offsets(placement: placement_lib.Placement,
-            period: int) -> dict[tuple[str, int], int]:
+            period: int) -> dict[tuple[str, int], int] | None:
   """`(kind, stage) -> tick` of a minibatch's tasks after its entry.
 
-  The tasks in the order the minibatch meets them, each after the last and
-  on a residue mod `period` no other task of its device holds, with the
-  fewest idle ticks between them (the shortest round trip); among those,
-  the first in the order that delays a task only when it must (a search
-  over the delays, each below `period`, by total delay).
+  Forwards up the stages and backwards down, each task the tick after the
+  last but for two waits: `wrap` ticks each time the minibatch passes from
+  the last device to the first (the loop's rounds, both ways; a V has
+  none), and `turn` ticks between the last stage's forward and backward.
+  Of the (wrap, turn) below `period` whose tasks hold distinct residues mod
+  `period` on every device, the fewest idle ticks in all, then the smallest
+  wrap; None where none does.
   """
-  S = placement.num_stages
+  S, P = placement.num_stages, placement.num_devices
   device = [placement.where(s)[0] for s in range(S)]
-  chain = [("F", s) for s in range(S)] + [("B", s) for s in reversed(range(S))]
-  held = set()
+  laps = [sum(P > 1 and (device[k - 1], device[k]) == (P - 1, 0)
+              for k in range(1, s + 1)) for s in range(S)]
 
-  def place(i, tick, budget):
-    if i == len(chain):
-      return []
-    for delay in range(min(budget, period - 1) + 1):
-      key = (device[chain[i][1]], (tick + delay) % period)
-      if key in held:
-        continue
-      held.add(key)
-      rest = place(i + 1, tick + delay + 1, budget - delay)
-      held.discard(key)
-      if rest is not None:
-        return [tick + delay] + rest
-    return None
+  def tasks(wrap, turn):
+    forward = {("F", s): s + wrap * laps[s] for s in range(S)}
+    last = forward[("F", S - 1)] + 1 + turn
+    return {**forward, **{("B", s): last + (S - 1 - s)
+                          + wrap * (laps[S - 1] - laps[s])
+                          for s in reversed(range(S))}}
 
-  budget = 0
-  while (found := place(0, 0, budget)) is None:
-    budget += 1
-  return dict(zip(chain, found))
+  def fits(at):
+    held = {(device[s], tick % period) for (_, s), tick in at.items()}
+    return len(held) == 2 * S
 
-
-def in_flight(placement: placement_lib.Placement, period: int) -> int:
-  """Minibatches in flight at once with `period`: the round trip / period."""
-  return math.ceil((offsets(placement, period)[("B", 0)] + 1) / period)
+  return min((tasks(w, t) for w in range(period) for t in range(period)
+              if fits(tasks(w, t))),
+             key=lambda at: (at[("B", 0)], at[("F", S - 1)]), default=None)
 
 
 def build(name: str, num_stages: int, num_microbatches: int,
@@ -88,7 +83,7 @@ def build(name: str, num_stages: int, num_microbatches: int,
     placement: the placement's name (`placement.names()`).
     num_devices: P.
     max_in_flight: K, the most minibatches in flight; None: as many as
-      keep every device busy (PipeDream's "NOAM", `in_flight` at T = 2v).
+      keep every device busy (PipeDream's "NOAM"), those of T = 2v.
 
   Returns:
     The device-level schedule.
@@ -102,10 +97,10 @@ def build(name: str, num_stages: int, num_microbatches: int,
     raise ValueError(f"max_in_flight={K!r} is invalid for {name}; it must be "
                      "an integer >= 1, or None")
   placed = placement_lib.make(placement, S, num_devices)
-  period = 2 * (S // num_devices)
-  while K is not None and in_flight(placed, period) > K:
-    period += 1
-  at = offsets(placed, period)
+  period = 2 * (S // num_devices)  # T = 2v always fits
+  while (at := offsets(placed, period)) is None or (
+      K is not None and math.ceil((at[("B", 0)] + 1) / period) > K):
+    period += 1  # some period at most the round trip fits K
   tasks = sorted((Task(p * period + at[(k, s)], s, k, p, 0)
                   for p in range(B) for k, s in at),
                  key=lambda t: (t.tick, t.stage))
