@@ -265,28 +265,33 @@ def test_pipedream_on_chunks_trains_its_version_map(name, P):
       np.testing.assert_allclose(got[k], w[k], atol=1e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("name,rule", [
-    ("pipedream-v", "sgd"),
-    pytest.param("pipedream-interleaved", "sgd", marks=pytest.mark.slow),
-    pytest.param("pipedream-v", "dc", marks=pytest.mark.slow),
-    pytest.param("pipedream-interleaved", "dc", marks=pytest.mark.slow)])
-def test_pipedream_on_chunks_executor_equals_the_oracle(name, rule):
+@pytest.mark.parametrize("name,rule,P,devices", [
+    ("pipedream-v", "sgd", 2, 2),
+    pytest.param("pipedream-interleaved", "sgd", 2, 2, marks=pytest.mark.slow),
+    pytest.param("pipedream-v", "dc", 2, 2, marks=pytest.mark.slow),
+    pytest.param("pipedream-interleaved", "dc", 2, 2, marks=pytest.mark.slow),
+    pytest.param("pipedream-interleaved", "sgd", 4, 2, marks=pytest.mark.slow),
+    pytest.param("pipedream-v", "sgd", 2, 1, marks=pytest.mark.slow)])
+def test_pipedream_on_chunks_executor_equals_the_oracle(name, rule, P,
+                                                        devices):
   """SGD, and DC-ASGD-a, which compensates each gradient for the updates
-  since its stashed version (`stale_params`), on P = 2 devices of 2
-  replicas."""
-  P, D = 2, 2
+  since its stashed version (`stale_params`), on the schedule's P devices
+  or folded onto fewer, 2 replicas."""
+  D = 2
   schedule = _make(name, P, 1)
   S = schedule.num_stages
   staged = sp.models.split(sp.models.mlp(8, 6, S - 1, 4, seed=5), S)
   rules = {"sgd": lambda: optax.sgd(0.5),
            "dc": lambda: optax.chain(sp.optim.dc_asgd_ema(1.0),
                                      optax.sgd(0.3, 0.9))}
-  mesh = jax.make_mesh((D, P), ("data", "stage"), devices=jax.devices()[:D * P])
+  mesh = jax.make_mesh((D, devices), ("data", "stage"),
+                       devices=jax.devices()[:D * devices])
   pipe = executor.Pipeline(staged.stage_fns, cross_entropy, schedule,
                            rules[rule](), mesh)
   ref = reference.Pipeline(staged.stage_fns, cross_entropy, schedule,
                            rules[rule](), num_replicas=D)
-  assert pipe.placement.name == schedule.placement
+  assert pipe.placement.name == (schedule.placement if devices > 1
+                                 else "consecutive")
   pipes = (pipe, ref)
   if rule == "dc":  # the rule really acts: plain momentum SGD differs
     pipes += (reference.Pipeline(staged.stage_fns, cross_entropy, schedule,
