@@ -31,7 +31,7 @@ from stalepipe.train import validate  # pylint: disable=g-import-not-at-top
 METHODS = ("gpipe", "1f1b", "pipedream", "2bw", "hetpipe_wsp", "timeprest",
            "sapipe", "pipesgd", "sdpipe", "bsp", "zb_h1", "zb_h2", "zb_async",
            "pipedream_dc", "spectrain", "pipemare", "interleaved_1f1b", "zb_v",
-           "dualpipev")
+           "dualpipev", "pipedream_v")
 CONFIG_FILES = sorted(p.name for p in (ROOT / "configs").glob("*.py")
                       if p.name not in ("common.py", "rules.py"))
 

@@ -1,10 +1,14 @@
-"""Device-level schedules (interleaved 1F1B, looped BFS, ZB-V, DualPipeV) run
-by the executor on their own placements.
+"""Device-level schedules run by the executor on their own placements.
 
-Each is synchronous (every task of minibatch p reads version p), so each
-trains what unpipelined training does, and what 1F1B trains, to float32
-rounding; and the executor equals the oracle running the same table.
+The synchronous ones (interleaved 1F1B, looped BFS, ZB-V, DualPipeV: every
+task of minibatch p reads version p) train what unpipelined training does,
+and what 1F1B trains, to float32 rounding; the asynchronous ones
+(pipedream-interleaved, pipedream-v) train what a NumPy recursion with their
+version maps trains. On every one the executor equals the oracle running
+the same table.
 """
+
+import math
 
 import jax
 import jax.numpy as jnp
@@ -20,11 +24,14 @@ from stalepipe.train import build
 from tests.run_path_test import tiny
 
 ATOL, RTOL = 2e-6, 2e-5
-LOOP = ("interleaved-1f1b", "looped-bfs")  # take num_devices; V: P = S / 2
+LOOP = ("interleaved-1f1b", "looped-bfs", "pipedream-interleaved")
+ASYNC = ("pipedream-interleaved", "pipedream-v")  # one micro-batch each
+SYNC = tuple(n for n in sp.schedules.DEVICE_LEVEL if n not in ASYNC)
 
 
 def _make(name, P, M, B=2, v=2):
   options = {"num_devices": P} if name in LOOP else {}
+  M = 1 if name in ASYNC else M
   return sp.schedules.make(name, num_stages=v * P, num_microbatches=M,
                            num_minibatches=B, **options)
 
@@ -39,6 +46,18 @@ def _windows(num, B, M, n, seed=1):
 def _close(got, want):
   for a, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
     np.testing.assert_allclose(a, w, atol=ATOL, rtol=RTOL)
+
+
+def _drained(pipes, stage_params, windows):
+  """Each pipeline's state after `windows` and a drain; in every window the
+  first's loss (the executor's) equals the second's (the oracle's)."""
+  states = [p.init(stage_params) for p in pipes]
+  for x, y in windows:
+    out = [p.step(state, x, y) for p, state in zip(pipes, states)]
+    states = [state for state, _ in out]
+    np.testing.assert_allclose(float(out[0][1]["loss"]),
+                               float(out[1][1]["loss"]), rtol=1e-5)
+  return [p.drain(state)[0] for p, state in zip(pipes, states)]
 
 
 def _unpipelined(staged, optimizer, windows):
@@ -87,7 +106,7 @@ def test_device_level_schedules_equal_unpipelined_training(name, D, P,
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", sp.schedules.DEVICE_LEVEL)
+@pytest.mark.parametrize("name", SYNC)
 def test_the_executor_equals_the_oracle_on_the_same_table(name):
   P, M, D = 2, 4, 2
   schedule = _make(name, P, M)
@@ -104,16 +123,8 @@ def test_the_executor_equals_the_oracle_on_the_same_table(name):
                                              num_microbatches=M,
                                              num_minibatches=2),
                            optimizer, num_replicas=D)
-  es, rs, os_ = (p.init(staged.stage_params) for p in (pipe, ref, one))
-  for x, y in _windows(3, 2, M, 2 * D):
-    es, em = pipe.step(es, x, y)
-    rs, rm = ref.step(rs, x, y)
-    os_, _ = one.step(os_, x, y)
-    np.testing.assert_allclose(float(em["loss"]), float(rm["loss"]),
-                               rtol=1e-5)
-  es, _ = pipe.drain(es)
-  rs, _ = ref.drain(rs)
-  os_, _ = one.drain(os_)
+  es, rs, os_ = _drained((pipe, ref, one), staged.stage_params,
+                         _windows(3, 2, M, 2 * D))
   for r in range(D):
     _close(pipe.params(es, r), ref.params(rs, r))
     _close(pipe.params(es, r), one.params(os_, r))
@@ -161,9 +172,9 @@ def test_placements_that_are_not_the_schedules_are_refused_in_one_line():
 
 
 def _config(name, **overrides):
-  config = tiny(schedule=name, placement="v" if name in ("zb-v", "dualpipev")
-                else "loop", num_stages=4, num_chunks=2, num_microbatches=4,
-                num_replicas=1)
+  config = tiny(schedule=name, placement="loop" if name in LOOP else "v",
+                num_stages=4, num_chunks=2,
+                num_microbatches=1 if name in ASYNC else 4, num_replicas=1)
   config.model_kwargs.num_hidden_layers = 3
   config.update(overrides)
   return config
@@ -188,3 +199,108 @@ def test_a_config_that_is_not_the_schedules_is_one_line(overrides, message):
     build.parts(_config("zb-v", **overrides))
   assert str(e.value).startswith(message) and "\n" not in str(e.value), (
       str(e.value))
+
+
+def _d(name, P, s, v=2):
+  """Minibatches chunk s misses in the version maps of `pipedream_v.py` and
+  `pipedream_interleaved.py` (P even, gcd(P / 2, v) = 1)."""
+  if name == "pipedream-v" and P % 2 == 0:
+    return P - math.ceil(s / 2)
+  return P - 1 - s // v
+
+
+def _half_square(y, target):
+  return 0.5 * jnp.mean(jnp.sum((y - target) ** 2, axis=-1))
+
+
+def _numpy_pipedream_sgd(params, d, xs, targets, lr):
+  """SGD through linear stages x A_s + c_s by hand: minibatch p's forward
+  and backward on stage s read stage s's version max(0, p - d_s), and its
+  gradient is applied to the stage's latest weights (x_{p+1} = x_p - lr
+  g_p)."""
+  S = len(params)
+  history = [[{k: np.asarray(a, np.float64) for k, a in w.items()}]
+             for w in params]
+  for p, (x, target) in enumerate(zip(xs, targets)):
+    w = [history[s][max(0, p - d[s])] for s in range(S)]
+    h = [x]
+    for s in range(S):
+      h.append(h[-1] @ w[s]["A"] + w[s]["c"])
+    dy = (h[-1] - target) / len(x)
+    for s in reversed(range(S)):
+      grad = {"A": h[s].T @ dy, "c": dy.sum(0)}
+      dy = dy @ w[s]["A"].T
+      history[s].append({k: history[s][-1][k] - lr * grad[k]
+                         for k in grad})
+  return [h[-1] for h in history]
+
+
+@pytest.mark.parametrize("name,P", [("pipedream-v", 2), ("pipedream-v", 3),
+                                    ("pipedream-interleaved", 2)])
+def test_pipedream_on_chunks_trains_its_version_map(name, P):
+  """The oracle on the table equals the recursion on the version map alone
+  (d_s from the formula, not the table), drained after 3 windows."""
+  n, B = 3, 4
+  schedule = _make(name, P, 1, B=B)
+  S = schedule.num_stages
+  rng = np.random.default_rng(P)
+  params = [{"A": (np.eye(n) + 0.3 * rng.normal(size=(n, n))).astype(
+      np.float32), "c": (0.1 * rng.normal(size=n)).astype(np.float32)}
+            for _ in range(S)]
+  fns = [lambda w, x: x @ w["A"] + w["c"]] * S
+  windows = [(rng.normal(size=(B, 1, 2, n)).astype(np.float32),
+              rng.normal(size=(B, 1, 2, n)).astype(np.float32))
+             for _ in range(3)]
+  ref = reference.Pipeline(fns, _half_square, schedule, optax.sgd(0.1))
+  state = ref.init(params)
+  for x, y in windows:
+    state, _ = ref.step(state, x, y)
+  state, _ = ref.drain(state)
+  xs = [x[p, 0] for x, _ in windows for p in range(B)]
+  ys = [y[p, 0] for _, y in windows for p in range(B)]
+  want = _numpy_pipedream_sgd(params, [_d(name, P, s) for s in range(S)],
+                              xs, ys, 0.1)
+  for got, w in zip(ref.params(state), want, strict=True):
+    for k in w:
+      np.testing.assert_allclose(got[k], w[k], atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("name,rule,P,devices", [
+    ("pipedream-v", "sgd", 2, 2),
+    pytest.param("pipedream-interleaved", "sgd", 2, 2, marks=pytest.mark.slow),
+    pytest.param("pipedream-v", "dc", 2, 2, marks=pytest.mark.slow),
+    pytest.param("pipedream-interleaved", "dc", 2, 2, marks=pytest.mark.slow),
+    pytest.param("pipedream-interleaved", "sgd", 4, 2, marks=pytest.mark.slow),
+    pytest.param("pipedream-v", "sgd", 2, 1, marks=pytest.mark.slow)])
+def test_pipedream_on_chunks_executor_equals_the_oracle(name, rule, P,
+                                                        devices):
+  """SGD, and DC-ASGD-a, which compensates each gradient for the updates
+  since its stashed version (`stale_params`), on the schedule's P devices
+  or folded onto fewer, 2 replicas."""
+  D = 2
+  schedule = _make(name, P, 1)
+  S = schedule.num_stages
+  staged = sp.models.split(sp.models.mlp(8, 6, S - 1, 4, seed=5), S)
+  rules = {"sgd": lambda: optax.sgd(0.5),
+           "dc": lambda: optax.chain(sp.optim.dc_asgd_ema(1.0),
+                                     optax.sgd(0.3, 0.9))}
+  mesh = jax.make_mesh((D, devices), ("data", "stage"),
+                       devices=jax.devices()[:D * devices])
+  pipe = executor.Pipeline(staged.stage_fns, cross_entropy, schedule,
+                           rules[rule](), mesh)
+  ref = reference.Pipeline(staged.stage_fns, cross_entropy, schedule,
+                           rules[rule](), num_replicas=D)
+  assert pipe.placement.name == (schedule.placement if devices > 1
+                                 else "consecutive")
+  pipes = (pipe, ref)
+  if rule == "dc":  # the rule really acts: plain momentum SGD differs
+    pipes += (reference.Pipeline(staged.stage_fns, cross_entropy, schedule,
+                                 optax.sgd(0.3, 0.9), num_replicas=D),)
+  es, rs, *plain = _drained(pipes, staged.stage_params,
+                            _windows(3, 2, 1, 2 * D))
+  for r in range(D):
+    _close(pipe.params(es, r), ref.params(rs, r))
+  for state in plain:
+    gap = jax.tree.map(lambda a, b: float(jnp.abs(a - b).max()),
+                       ref.params(rs), pipes[2].params(state))
+    assert max(jax.tree.leaves(gap)) > 1e-4

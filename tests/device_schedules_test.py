@@ -1,4 +1,5 @@
-"""Device-level schedules: the sources' orders, their closed forms, validate.
+"""Device-level schedules: the sources' orders, their closed forms, validate;
+asynchronous PipeDream on chunks: its version maps, stash and bubble.
 
 Each of interleaved-1f1b, looped-bfs, zb-v and dualpipev is compared, device
 by device, with the order of actions its source gives each rank
@@ -8,6 +9,7 @@ forms its paper states (unit F, BI, BW; a full backward of DualPipeV two).
 """
 
 import dataclasses
+import math
 
 import pytest
 
@@ -19,8 +21,15 @@ KIND = {"F": "F", "B": "B", "I": "BI", "W": "BW"}
 SHAPES = [(2, 2, 4), (4, 2, 8)]  # (P, v, M) the issue names
 
 
-def make(name, P, M, B=1, v=2):
-  kw = {"num_devices": P} if name in ("interleaved-1f1b", "looped-bfs") else {}
+LOOP = ("interleaved-1f1b", "looped-bfs", "pipedream-interleaved")
+ASYNC = ("pipedream-interleaved", "pipedream-v")  # one micro-batch each
+
+
+def make(name, P, M, B=1, v=2, **kw):
+  if name in LOOP:
+    kw["num_devices"] = P
+  if name in ASYNC:
+    M = 1
   return sp.schedules.make(name, num_stages=v * P, num_microbatches=M,
                            num_minibatches=B, **kw).validate()
 
@@ -226,3 +235,97 @@ def test_tile_equals_building_directly(name):
   assert sorted(tiled.overlapped) == sorted(direct.overlapped)
   assert (tiled.placement, tiled.num_devices) == (short.placement, 2)
   tiled.validate()
+
+
+def d_v(P, s):
+  """pipedream-v's d_s: minibatches chunk s misses (`pipedream_v.py`)."""
+  return P - 1 - s // 2 if P % 2 else P - math.ceil(s / 2)
+
+
+def missed(schedule):
+  """Per stage, p - version of a late minibatch p (the steady state)."""
+  p = schedule.num_minibatches - 1
+  return [p - schedule.version(p, s, "F") for s in range(schedule.num_stages)]
+
+
+@pytest.mark.parametrize("P", range(1, 13))
+def test_pipedream_v_version_map_stash_and_bubble(P):
+  """Every task of minibatch p on chunk s reads max(0, p - d_s), its
+  backward its forward's version; every device keeps P + 2 versions (P
+  even) or P + 1 (P odd); no device idles in the steady state."""
+  s = make("pipedream-v", P, 1, B=6 * P)
+  for t in s.tasks:
+    assert s.task_version(t) == max(0, t.minibatch - d_v(P, t.stage)), t
+  assert s.device_stash_depth == (P + 2 - P % 2,) * P
+  assert s.max_in_flight[0] == P + 1 - P % 2
+  entry = {t.minibatch: t.tick for t in s.tasks if (t.stage, t.kind) == (0, "F")}
+  assert s.device_busy[entry[3 * P]:entry[4 * P]].all()
+  assert entry[1] - entry[0] == 4
+
+
+def d_loop(P, v, s):
+  """pipedream-interleaved's d_s (`pipedream_interleaved.py`)."""
+  wrap = next(w for w in range(2 * v) if (P + w) % 2 == 0
+              and math.gcd((P + w) // 2, v) == 1) if min(P, v) > 1 else 0
+  return (2 * v * P - 1 - 2 * s + 2 * wrap * (v - 1 - s // P)) // (2 * v)
+
+
+@pytest.mark.parametrize("P", range(1, 9))
+@pytest.mark.parametrize("v", range(1, 5))
+def test_pipedream_interleaved_version_map_and_bubble(P, v):
+  """Every task of minibatch p on chunk s reads max(0, p - d_s); P - 1 -
+  floor(s / v) where no wait is needed (P even, gcd(P / 2, v) = 1); a
+  minibatch every 2v ticks and no device idles in the steady state."""
+  s = make("pipedream-interleaved", P, 1, B=4 * P + 4, v=v)
+  d = [d_loop(P, v, k) for k in range(v * P)]
+  for t in s.tasks:
+    assert s.task_version(t) == max(0, t.minibatch - d[t.stage]), t
+  if P % 2 == 0 and math.gcd(P // 2, v) == 1:
+    assert d == [P - 1 - k // v for k in range(v * P)]
+  entry = {t.minibatch: t.tick for t in s.tasks if (t.stage, t.kind) == (0, "F")}
+  assert entry[1] - entry[0] == 2 * v
+  assert s.device_busy[entry[2 * P + 2]:entry[3 * P + 2]].all()
+
+
+@pytest.mark.parametrize("P", [4, 8])
+def test_the_v_balances_the_stash_that_consecutive_pipedream_does_not(P):
+  """Stage-level PipeDream keeps S - s versions on stage s: folded two a
+  device, 2S - 1 - 4d on device d of the consecutive placement, S + 1 on
+  every device of the V; pipedream-v keeps P + 2 everywhere."""
+  S = 2 * P
+  stage = sp.schedules.make("pipedream", num_stages=S, num_microbatches=1,
+                            num_minibatches=4 * S)
+  assert stage.stash_depth == tuple(S - s for s in range(S))
+  for name, want in (("consecutive", [2 * S - 1 - 4 * d for d in range(P)]),
+                     ("v", [S + 1] * P)):
+    placed = sp.pipeline.placement.make(name, S, P)
+    assert [sum(stage.stash_depth[k] for k in placed.stages[d])
+            for d in range(P)] == want
+  assert max(make("pipedream-v", P, 1, B=4 * S).device_stash_depth) == P + 2
+
+
+def test_pipedream_v_with_fewer_in_flight_stretches_the_period():
+  """K below the P + 1 that keep the devices busy: a minibatch every 6
+  ticks (P = 4), at most K in flight; K above changes nothing."""
+  full = make("pipedream-v", 4, 1, B=24)
+  assert make("pipedream-v", 4, 1, B=24, max_in_flight=9).tasks == full.tasks
+  s = make("pipedream-v", 4, 1, B=24, max_in_flight=4)
+  entry = sorted(t.tick for t in s.tasks if (t.stage, t.kind) == (0, "F"))
+  assert {b - a for a, b in zip(entry, entry[1:])} == {6}
+  assert max(s.max_in_flight) <= 4
+  assert missed(s) == [2, 2, 1, 1, 1, 0, 0, 0]
+
+
+@pytest.mark.parametrize("name,kw,message", [
+    ("pipedream-v", {"num_stages": 8, "num_microbatches": 2},
+     "^num_microbatches=2 is invalid for pipedream-v; valid: 1 "),
+    ("pipedream-interleaved", {"num_stages": 8, "num_microbatches": 1,
+                               "num_devices": 3},
+     "^num_devices=3 is invalid for pipedream-interleaved with 8 stages"),
+    ("pipedream-v", {"num_stages": 8, "num_microbatches": 1,
+                     "max_in_flight": 0},
+     "^max_in_flight=0 is invalid for pipedream-v; it must be an integer")])
+def test_pipedream_on_chunks_refusals(name, kw, message):
+  with pytest.raises(ValueError, match=message) as e:
+    sp.schedules.make(name, **kw)
+  assert "\n" not in str(e.value)

@@ -10,7 +10,8 @@ import pytest
 import stalepipe as sp
 from stalepipe import theory
 
-ASYNC = ("pipedream", "2bw", "hetpipe", "timeprest", "zb-async")
+ASYNC = ("pipedream", "2bw", "hetpipe", "timeprest", "zb-async",
+         "pipedream-interleaved", "pipedream-v")
 SYNC_ZERO_BUBBLE = ("zb-h1", "zb-h2")
 FAST = settings(max_examples=12, deadline=None)
 
@@ -18,16 +19,19 @@ FAST = settings(max_examples=12, deadline=None)
 def make(name, S, M, B, **kw):
   """Builds a schedule; 2BW and zb-async stall below M = S, so smaller M is
   raised to S. The device-level schedules get two chunks a device where S is
-  even (zb-v and dualpipev: odd S raised by one), M a multiple of
-  interleaved 1F1B's rounds and DualPipeV's M >= S."""
+  even (the V schedules: odd S raised by one), M a multiple of
+  interleaved 1F1B's rounds, DualPipeV's M >= S and PipeDream's M = 1 on
+  chunks."""
   if name in ("2bw", "zb-async"):
     M = max(M, S)
   if name == "hetpipe":
     kw.setdefault("concurrent_minibatches", min(S, 3))
-  if name in ("interleaved-1f1b", "looped-bfs"):
+  if name in ("pipedream-interleaved", "pipedream-v"):
+    M = 1
+  if name in ("interleaved-1f1b", "looped-bfs", "pipedream-interleaved"):
     kw.setdefault("num_devices", max(1, S // 2 if S % 2 == 0 else S))
     M -= M % max(1, M // kw["num_devices"])
-  if name in ("zb-v", "dualpipev"):
+  if name in ("zb-v", "dualpipev", "pipedream-v"):
     S += S % 2
   if name == "dualpipev":
     M = max(M, S)

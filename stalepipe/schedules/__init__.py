@@ -22,6 +22,8 @@ from stalepipe.schedules.looped_bfs import looped_bfs
 from stalepipe.schedules.one_f_one_b import one_f_one_b
 from stalepipe.schedules.pipedream import pipedream
 from stalepipe.schedules.pipedream_2bw import pipedream_2bw
+from stalepipe.schedules.pipedream_interleaved import pipedream_interleaved
+from stalepipe.schedules.pipedream_v import pipedream_v
 from stalepipe.schedules.render import TimelineEvent
 from stalepipe.schedules.render import chrome_trace
 from stalepipe.schedules.render import gantt_png
@@ -46,12 +48,15 @@ PARTS = registry.Registry("schedule", {
     "looped-bfs": looped_bfs,
     "zb-v": zb_v,
     "dualpipev": dualpipev,
+    "pipedream-interleaved": pipedream_interleaved,
+    "pipedream-v": pipedream_v,
 }, filled=("num_stages", "num_microbatches", "num_minibatches",
            "num_devices"))  # a config names num_chunks; the run fills P
 # Device-level schedules: each names its placement (`Schedule.placement`),
 # and a device runs one task per tick (the executor places them so:
 # `placement.for_schedule`).
-DEVICE_LEVEL = ("interleaved-1f1b", "looped-bfs", "zb-v", "dualpipev")
+DEVICE_LEVEL = ("interleaved-1f1b", "looped-bfs", "zb-v", "dualpipev",
+                "pipedream-interleaved", "pipedream-v")
 
 
 def names() -> tuple[str, ...]:
