@@ -17,6 +17,7 @@ Examples:
 """
 
 import importlib
+import inspect
 import os
 from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
