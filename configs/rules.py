@@ -24,6 +24,14 @@ DEPTH = {
     "sapipe_wp": sapipe.RULES["wp3"],
     # Zero bubble's asynchronous schedule: M = S micro-batches a minibatch.
     "zb_async": {"schedule": "zb-async", "remat": "residuals"},
+    # PipeDream's rules per chunk on device-level placements, two chunks a
+    # device (docs/schedules.md: chunk s applies gradients d_s updates old,
+    # d_s = P - ceil(s/2) on the V, about half of stage-level PipeDream's
+    # S - 1 - s; the loop's map there too). Only at S >= 2.
+    "pipedream_v": {"schedule": "pipedream-v", "placement": "v",
+                    "num_chunks": 2},
+    "pipedream_interleaved": {"schedule": "pipedream-interleaved",
+                              "placement": "loop", "num_chunks": 2},
     # PipeMare T1 + T2, gamma 0.5, no stash (Yang et al. MLSys 2021
     # §3.1-3.2). K = 100 updates: the paper and AsyncPP
     # (`main_with_runtime.py` lines 116-119) set it in epochs.

@@ -68,6 +68,8 @@ def windows(x, y, count):
 def main(argv):
   del argv
   mesh = jax.make_mesh((DATA, STAGES), ("data", "stage"))
+  half = jax.make_mesh((DATA, STAGES // 2), ("data", "stage"),
+                       devices=jax.devices()[:DATA * STAGES // 2])
   print("| model / data | schedule | oracle loss | executor loss | "
         "max abs param diff |")
   print("|---|---|---:|---:|---:|")
@@ -78,13 +80,22 @@ def main(argv):
     staged = sp.models.split(sp.models.make(kwargs.pop("name"), **kwargs),
                              STAGES)
     for schedule_name in sp.schedules.names():
-      schedule = sp.schedules.make(
-          schedule_name, num_stages=STAGES, num_microbatches=MICRO,
-          num_minibatches=MINI, **SCHEDULE_KWARGS.get(schedule_name, {}))
+      # A device-level schedule holds two of the stages a device.
+      chunked = schedule_name in sp.schedules.DEVICE_LEVEL
+      options = dict(SCHEDULE_KWARGS.get(schedule_name, {}))
+      if sp.schedules.takes_num_devices(schedule_name):
+        options["num_devices"] = STAGES // 2
+      try:
+        schedule = sp.schedules.make(
+            schedule_name, num_stages=STAGES, num_microbatches=MICRO,
+            num_minibatches=MINI, **options)
+      except ValueError as e:  # e.g. one micro-batch a minibatch only
+        print(f"| {name} | {schedule_name} | not run: {e} | | |")
+        continue
       oracle = reference.Pipeline(staged.stage_fns, loss_fn, schedule,
                                   optax.sgd(0.05))
       pipe = executor.Pipeline(staged.stage_fns, loss_fn, schedule,
-                               optax.sgd(0.05), mesh)
+                               optax.sgd(0.05), half if chunked else mesh)
       oracle_state = oracle.init(staged.stage_params)
       state = pipe.init(staged.stage_params)
       for inputs, targets in windows(x, y, 2):

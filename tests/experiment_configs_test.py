@@ -25,7 +25,10 @@ ROWS = {
     "staleness_depth.py": [f"method={m},stages={s}" for m in (
         "1f1b", "pipedream", "zb_async", "pipemare", "nesterov", "spectrain",
         "sapipe_wp", "dc", "basis_rotation", "gap_aware", "muon",
-        "dc_asgd_ema", "weight_pred") for s in (1, 16)],
+        "dc_asgd_ema", "weight_pred") for s in (1, 16)] + [
+            f"method={m},stages={s}" for m in ("pipedream_v",
+                                               "pipedream_interleaved")
+            for s in (2, 16)],
     "sync_wallclock.py": [f"policy={p},stragglers={s}" for p in (
         "bsp", "wsp0", "wsp4", "wsp32", "sdpipe", "ad_psgd") for s in (
             "homogeneous", "hete-A", "hete-B")],
