@@ -271,7 +271,11 @@ def test_pipedream_on_chunks_trains_its_version_map(name, P):
     pytest.param("pipedream-v", "dc", 2, 2, marks=pytest.mark.slow),
     pytest.param("pipedream-interleaved", "dc", 2, 2, marks=pytest.mark.slow),
     pytest.param("pipedream-interleaved", "sgd", 4, 2, marks=pytest.mark.slow),
-    pytest.param("pipedream-v", "sgd", 2, 1, marks=pytest.mark.slow)])
+    pytest.param("pipedream-v", "sgd", 2, 1, marks=pytest.mark.slow),
+    pytest.param("pipedream-v", "spectrain", 2, 2, marks=pytest.mark.slow),
+    pytest.param("pipedream-v", "wp3", 2, 2, marks=pytest.mark.slow),
+    pytest.param("pipedream-interleaved", "nesterov", 2, 2,
+                 marks=pytest.mark.slow)])
 def test_pipedream_on_chunks_executor_equals_the_oracle(name, rule, P,
                                                         devices):
   """SGD, and DC-ASGD-a, which compensates each gradient for the updates
@@ -283,7 +287,14 @@ def test_pipedream_on_chunks_executor_equals_the_oracle(name, rule, P,
   staged = sp.models.split(sp.models.mlp(8, 6, S - 1, 4, seed=5), S)
   rules = {"sgd": lambda: optax.sgd(0.5),
            "dc": lambda: optax.chain(sp.optim.dc_asgd_ema(1.0),
-                                     optax.sgd(0.3, 0.9))}
+                                     optax.sgd(0.3, 0.9)),
+           # SpecTrain over each chunk's own staleness (`Schedule.ahead`)
+           "spectrain": lambda: sp.optim.SpecTrain(optax.sgd(0.3, 0.9),
+                                                   staleness="minibatch"),
+           "wp3": lambda: sp.optim.WeightPrediction(
+               optax.sgd(0.3, 0.9), option=3, num_workers=D, lam=0.2),
+           "nesterov": lambda: optax.chain(
+               sp.optim.scale_by_async_nesterov(), optax.scale(-0.05))}
   mesh = jax.make_mesh((D, devices), ("data", "stage"),
                        devices=jax.devices()[:D * devices])
   pipe = executor.Pipeline(staged.stage_fns, cross_entropy, schedule,
