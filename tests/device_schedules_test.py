@@ -329,3 +329,13 @@ def test_pipedream_on_chunks_refusals(name, kw, message):
   with pytest.raises(ValueError, match=message) as e:
     sp.schedules.make(name, **kw)
   assert "\n" not in str(e.value)
+
+
+def test_the_simulator_refuses_a_device_level_schedule():
+  """It gives every stage a device; chunks sharing one would be timed as if
+  they ran side by side."""
+  s = make("zb-v", 2, 4, B=2)
+  with pytest.raises(ValueError, match=r"^schedule 'zb-v' is device-level "
+                     r"\(its 4 stages on 2 devices, v placement\); valid: a "
+                     r"stage-level schedule"):
+    sp.sim.simulate(s, sp.sim.Cluster.grid(1, 4), sp.sim.StageCosts.uniform(4))

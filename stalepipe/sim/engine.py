@@ -480,6 +480,11 @@ def start_run(schedule: core.Schedule, cluster: cluster_lib.Cluster,
   """
   S, B = schedule.num_stages, schedule.num_minibatches
   N = cluster.num_pipelines
+  if schedule.placement is not None:  # its chunks share a device
+    raise ValueError(f"schedule {schedule.name!r} is device-level (its "
+                     f"{S} stages on {schedule.num_devices} devices, "
+                     f"{schedule.placement} placement); valid: a stage-level "
+                     "schedule (the simulator gives every stage a device)")
   if cluster.num_stages != S or costs.num_stages != S:
     raise ValueError(f"cluster has {cluster.num_stages} stages and costs "
                      f"{costs.num_stages}; the schedule has {S}")
