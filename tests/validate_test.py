@@ -12,6 +12,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from configs import default  # pylint: disable=g-import-not-at-top
+from stalepipe import schedules  # pylint: disable=g-import-not-at-top
 from stalepipe.train import validate  # pylint: disable=g-import-not-at-top
 
 CONFIGS = sorted(p.stem for p in (ROOT / "configs").glob("*.py")
@@ -137,7 +138,7 @@ BAD = [
      "(num_stages=4, placement='v'), or 0 for num_stages"),
     ({"num_chunks": 2}, "num_chunks=2 is invalid; valid: 1 for the "
      "stage-level schedule 'gpipe' (chunks a device holds, for "
-     "interleaved-1f1b, looped-bfs, zb-v, dualpipev;"),
+     f"{', '.join(schedules.DEVICE_LEVEL)};"),
     ({"schedule": "interleaved-1f1b", "num_chunks": 3}, "num_chunks=3 is "
      "invalid; valid: a divisor of num_stages=4 (chunks a device holds)"),
     ({"num_chunks": 0}, "num_chunks=0 is invalid"),
