@@ -243,6 +243,7 @@ def test_bad_latest_checkpoint_is_skipped_and_the_run_ends_bit_for_bit(
     np.testing.assert_array_equal(got[key], want[key], err_msg=key)
 
 
+@pytest.mark.slow
 def test_no_checkpoint_that_verifies_is_one_line_naming_each(tmp_path):
   config = tiny(num_steps=8, checkpoint_every=4, keep_checkpoints=2)
   trainer.train_and_evaluate(config, str(tmp_path))

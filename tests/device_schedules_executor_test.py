@@ -266,7 +266,7 @@ def test_pipedream_on_chunks_trains_its_version_map(name, P):
 
 
 @pytest.mark.parametrize("name,rule,P,devices", [
-    ("pipedream-v", "sgd", 2, 2),
+    pytest.param("pipedream-v", "sgd", 2, 2, marks=pytest.mark.slow),
     pytest.param("pipedream-interleaved", "sgd", 2, 2, marks=pytest.mark.slow),
     pytest.param("pipedream-v", "dc", 2, 2, marks=pytest.mark.slow),
     pytest.param("pipedream-interleaved", "dc", 2, 2, marks=pytest.mark.slow),

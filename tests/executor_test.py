@@ -68,7 +68,8 @@ def test_executor_equals_reference(name, S):
   assert max(len(v) for v in rs.versions.values()) > 2  # updates really happened
 
 
-@pytest.mark.parametrize("name", ["pipedream", "timeprest"])
+@pytest.mark.parametrize("name", [
+    "pipedream", pytest.param("timeprest", marks=pytest.mark.slow)])
 def test_executor_equals_reference_with_adam_and_uneven_stages(name):
   # Stages of 1, 2 and 1 blocks of different widths.
   blocks = sp.models.mlp(8, 6, 3, 4, seed=7)

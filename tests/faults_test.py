@@ -48,6 +48,7 @@ def _flip(step_dir: pathlib.Path) -> None:
   victim.write_bytes(bytes(data))
 
 
+@pytest.mark.slow
 def test_a_run_whose_checkpoints_failed_is_not_overwritten_by_a_rerun(
     tmp_path):
   config = tiny(num_steps=8, checkpoint_every=4)
@@ -132,6 +133,7 @@ def test_retired_checkpoints_do_not_pile_up_during_a_run(tmp_path):
   assert max(seen) <= 3, seen  # 2 kept + 1 being written
 
 
+@pytest.mark.slow
 def test_an_edited_position_record_is_not_trusted(tmp_path):
   config = tiny(num_steps=8, checkpoint_every=4)
   trainer.train_and_evaluate(config, str(tmp_path))

@@ -35,7 +35,7 @@ def _batch(B, M, n, d, seed=0):
 
 @pytest.mark.parametrize("num_replicas,boundaries", [
     pytest.param(1, (0,), marks=pytest.mark.slow), (2, (0, 2)), (2, (0, 1, 2, 4)),
-    (1, (0, 1, 3, 4))])
+    pytest.param(1, (0, 1, 3, 4), marks=pytest.mark.slow)])
 def test_gpipe_equals_unpipelined_sgd(num_replicas, boundaries):
   S, M, B, b = len(boundaries), 3, 2, 4
   blocks = sp.models.mlp(16, 12, 4, 10, seed=1)

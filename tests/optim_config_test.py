@@ -173,7 +173,9 @@ def _tree_run(opt, x, steps=5):
   return out
 
 
-@pytest.mark.parametrize("rule", ["nesterov", "basis_rotation", "adamw"])
+@pytest.mark.parametrize("rule", [
+    "nesterov", pytest.param("basis_rotation", marks=pytest.mark.slow),
+    "adamw"])
 def test_a_config_chain_equals_its_sources_hand_built_chain(rule):
   """clip_grad_norm_ on the raw gradient, then the optimizer's step: as
   AsyncPP (`optim/optimizer.py` lines 195-199), basis-rotation

@@ -82,7 +82,7 @@ def _run(name, remat, D=1, S=3, windows=3):
 
 
 @pytest.mark.parametrize("name,remat", [
-    ("gpipe", "recompute"),
+    pytest.param("gpipe", "recompute", marks=pytest.mark.slow),
     pytest.param("1f1b", "residuals", marks=pytest.mark.slow),
     ("zb-h1", "residuals"),
     pytest.param("pipedream", "recompute", marks=pytest.mark.slow)])
