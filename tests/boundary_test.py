@@ -60,7 +60,8 @@ def _sgd(params, windows, lr):
   return params
 
 
-@pytest.mark.parametrize("remat", ["recompute", "residuals"])
+@pytest.mark.parametrize("remat", [
+    "recompute", pytest.param("residuals", marks=pytest.mark.slow)])
 def test_int_ids_cross_beside_a_bf16_boundary_exactly(remat):
   schedule = sp.schedules.make("1f1b", num_stages=2, num_microbatches=2,
                                num_minibatches=2)

@@ -86,8 +86,9 @@ SLOW_VARIANTS = {
     "tests/checkpoint_test.py::test_bad_latest_checkpoint_is_skipped_and_the_run_ends_bit_for_bit[_corrupt_truncated-corrupt]",
     # -> the other bad inputs (this one compiles a model).
     "tests/launch_test.py::test_bad_input_exits_with_one_line[args2-num_stages=6 does not fit a model of 4 blocks; valid: 1 to 4]",
-    # -> [1-transformer].
+    # -> [1-mlp], [1-vgg] and both at 2 and 4 stages.
     "tests/models_test.py::test_split_composes_to_the_unsplit_model[1-resnet]",
+    "tests/models_test.py::test_split_composes_to_the_unsplit_model[1-transformer]",
     # -> [1].
     "tests/multihost_launch_test.py::test_a_peer_that_never_starts_is_named_in_one_line[0]",
     # -> [wp_option3-explicit] and the cheaper transforms.
