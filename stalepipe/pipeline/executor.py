@@ -46,6 +46,7 @@ from stalepipe.pipeline import boundary as boundary_lib
 from stalepipe.pipeline import contract
 from stalepipe.pipeline import dispatch
 from stalepipe.pipeline import forward_only
+from stalepipe.pipeline import fsdp as fsdp_lib
 from stalepipe.pipeline import packing
 from stalepipe.pipeline import placement as placement_lib
 from stalepipe.pipeline import program as program_lib
@@ -59,17 +60,19 @@ from stalepipe.pipeline.state import (Buffers, InputHistory, PipelineState,
 from stalepipe.schedules import Schedule
 from stalepipe.schedules import kinds as kinds_lib
 
-DATA, STAGE = tick_lib.DATA, tick_lib.STAGE
+DATA, STAGE, FSDP = tick_lib.DATA, tick_lib.STAGE, fsdp_lib.FSDP
 _PER_DEVICE, _WINDOW = P(DATA, STAGE), P(None, None, DATA)
 
 
-def state_specs(state: PipelineState) -> PipelineState:
-  """The partition spec of every leaf of `state`, as a matching tree."""
-  per_device = lambda tree: jax.tree.map(lambda _: _PER_DEVICE, tree)  # pylint: disable=unnecessary-lambda-assignment
+def state_specs(state: PipelineState, device: P = _PER_DEVICE,
+                window: P = _WINDOW) -> PipelineState:
+  """The partition spec of every leaf of `state`, as a matching tree
+  (`device`: a per-stage field's; `window`: the kept inputs')."""
+  per_device = lambda tree: jax.tree.map(lambda _: device, tree)  # pylint: disable=unnecessary-lambda-assignment
   return PipelineState(
       ring=per_device(state.ring), opt_state=per_device(state.opt_state),
       grads=per_device(state.grads), buffers=per_device(state.buffers),
-      history=jax.tree.map(lambda _: _WINDOW, state.history),
+      history=jax.tree.map(lambda _: window, state.history),
       sync=per_device(state.sync), step=P(),
       stage_state=per_device(state.stage_state),
       drained=None if state.drained is None else P())
@@ -95,13 +98,14 @@ def run_window(ctx: tick_lib.Stages, state: PipelineState, inputs, targets,
       base=(step % C) * (B * ctx.num_microbatches % C) % C, step=step,
       stage=jax.lax.axis_index(STAGE), replica=jax.lax.axis_index(DATA),
       device=jax.lax.axis_index(STAGE))
+  at = functools.partial(local, lead=ctx.lead)
   carries = tuple(TickCarry(
-      ring=local(state.ring, j), opt_state=local(state.opt_state, j),
-      grads=local(state.grads, j), grads_spent=jnp.zeros((), bool),
-      buffers=local(state.buffers, j), sync=local(state.sync, j),
+      ring=at(state.ring, j), opt_state=at(state.opt_state, j),
+      grads=at(state.grads, j), grads_spent=jnp.zeros((), bool),
+      buffers=at(state.buffers, j), sync=at(state.sync, j),
       loss_sum=jnp.zeros((), jnp.float32), num_losses=jnp.zeros((), jnp.int32),
       metric_sums=tick_lib.zero_objective(ctx)[1],
-      stage_state=local(state.stage_state, j),
+      stage_state=at(state.stage_state, j),
       outbox=tick_lib.empty_outbox(ctx))
                   for j in range(ctx.placement.num_slots))
   table = tick_lib.with_closing_tick(jax.tree.map(
@@ -111,21 +115,22 @@ def run_window(ctx: tick_lib.Stages, state: PipelineState, inputs, targets,
                             carries, (table, tick_lib.last_tick(table)))
   total = lambda get: jax.lax.psum(sum(get(c) for c in carries), STAGE)  # pylint: disable=unnecessary-lambda-assignment
   num_losses = total(lambda c: c.num_losses)
-  mean = lambda value: jax.lax.pmean(value, DATA) / jnp.where(  # pylint: disable=unnecessary-lambda-assignment
+  mean = lambda value: jax.lax.pmean(value, ctx.batch_axes) / jnp.where(  # pylint: disable=unnecessary-lambda-assignment
       num_losses > 0, num_losses, jnp.nan)
   loss = mean(total(lambda c: c.loss_sum))
   metrics = {k: mean(total(lambda c, k=k: c.metric_sums[k]))
              for k in carries[0].metric_sums}
   keep = lambda tree: None if H == 0 else jax.tree.map(  # pylint: disable=unnecessary-lambda-assignment
       lambda x: x[x.shape[0] - H * B:], tree)
+  back = functools.partial(unlocal, lead=ctx.lead)
   new = PipelineState(
-      ring=unlocal([c.ring for c in carries]),
-      opt_state=unlocal([c.opt_state for c in carries]),
-      grads=unlocal([tick_lib.accumulated(c) for c in carries]),
-      buffers=unlocal([c.buffers for c in carries]),
+      ring=back([c.ring for c in carries]),
+      opt_state=back([c.opt_state for c in carries]),
+      grads=back([tick_lib.accumulated(c) for c in carries]),
+      buffers=back([c.buffers for c in carries]),
       history=InputHistory(keep(window.inputs), keep(window.targets)),
-      sync=unlocal([c.sync for c in carries]), step=step + 1,
-      stage_state=unlocal([c.stage_state for c in carries]))
+      sync=back([c.sync for c in carries]), step=step + 1,
+      stage_state=back([c.stage_state for c in carries]))
   return new, {"loss": loss, "num_losses": num_losses, **metrics}
 
 
@@ -242,10 +247,13 @@ class Pipeline:
                lowering: str = "nested_switch", remat: str = "recompute",
                layout: str = "packed", optimizer_scope: str = "auto",
                seed: int = 0, placement: str | None = None,
-               tied: Sequence[str] = ()):
-    if tuple(mesh.axis_names) != (DATA, STAGE):
+               tied: Sequence[str] = (), fsdp_rule: fsdp_lib.Rule | None = None):
+    if tuple(mesh.axis_names) not in ((DATA, STAGE), (DATA, STAGE, FSDP)):
       raise ValueError(f"mesh axes {tuple(mesh.axis_names)} are invalid; "
-                       f"valid: ({DATA!r}, {STAGE!r})")
+                       f"valid: ({DATA!r}, {STAGE!r}) or ({DATA!r}, "
+                       f"{STAGE!r}, {FSDP!r})")
+    self.fsdp = dict(mesh.shape).get(FSDP, 1)
+    self.fsdp_rule = fsdp_rule
     self.placement = placement_lib.for_schedule(schedule, mesh.shape[STAGE],
                                                 placement)
     sync = sync or sync_lib.bsp(mesh.shape[DATA])
@@ -261,6 +269,12 @@ class Pipeline:
     self.stage_fns = tuple(stage_fns)
     self.seed = seed
     self._fns, self._state_fns, self._wants = stage_lib.bind_all(stage_fns)
+    fsdp_lib.check(self.fsdp, remat, optimizer, self._wants, self.tied)
+    sharded = self.fsdp > 1
+    self._device_spec = P(DATA, STAGE, FSDP) if sharded else _PER_DEVICE
+    self._window_spec = P(None, None, (DATA, FSDP)) if sharded else _WINDOW
+    self._lead = 3 if sharded else 2
+    self._sharded = self._param_trees = None
     self.loss_fn = loss_fn
     self._loss_fn = stage_lib.bind_loss(loss_fn)
     self.schedule = schedule
@@ -279,6 +293,20 @@ class Pipeline:
   def num_replicas(self) -> int:
     return self.mesh.shape[DATA]
 
+  @property
+  def _columns(self) -> int:
+    """The parts a micro-batch is split into: D replicas times F members."""
+    return self.num_replicas * self.fsdp
+
+  @property
+  def replicated_leaves(self) -> list[str]:
+    """Leaves of a sharded stage held whole by every member (no dimension
+    'fsdp' divides), e.g. for a run's first lines; [] unsharded."""
+    if self._sharded is None:
+      return []
+    return self._sharded.params.replicated + [
+        "optimizer " + r for r in self._sharded.opt.replicated]
+
   def _put(self, x, spec: P):
     """Places a value every process holds whole onto the mesh."""
     x = np.asarray(x)
@@ -289,7 +317,7 @@ class Pipeline:
     """Inputs or targets `[B, M, D_local * b, ...]` (a pytree of such
     arrays) as mesh-wide arrays (each process passes its own replicas'
     slice)."""
-    sharding = NamedSharding(self.mesh, _WINDOW)
+    sharding = NamedSharding(self.mesh, self._window_spec)
 
     def put(v):
       if isinstance(v, jax.Array) and v.sharding == sharding:
@@ -304,25 +332,35 @@ class Pipeline:
       return np.asarray(jax.device_get(x))
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
-  def _per_device(self, tree) -> tuple[Any, ...]:
-    """Per-stage leaves `[S, ...]` in stage order, the same on every
-    replica, as the state holds them: slot by slot, slot j's `[D, P, ...]`
+  def _per_device(self, tree, members: bool = False) -> tuple[Any, ...]:
+    """Per-stage leaves `[S, ...]` in stage order (`members`: `[S, F, ...]`,
+    each member's part), the same on every replica, as the state holds
+    them: slot by slot, slot j's `[D, P, ...]` (sharded: `[D, P, F, ...]`)
     holding on device d stage `placement.stages[d, j]` (`state.py`)."""
     return self._put_slots([
         jax.tree.map(lambda v, j=j: np.asarray(v)[self.placement.stages[:, j]],
-                     tree) for j in range(self.placement.num_slots)])
+                     tree) for j in range(self.placement.num_slots)], members)
 
-  def _put_slots(self, slots: Sequence[Any]) -> tuple[Any, ...]:
-    """Each slot's tree of `[P, ...]` leaves onto the mesh, the same on
-    every replica: `[D, P, ...]`."""
-    return tuple(jax.tree.map(lambda v: self._put(np.broadcast_to(
-        v, (self.num_replicas,) + np.shape(v)), _PER_DEVICE), tree)
-                 for tree in slots)
+  def _put_slots(self, slots: Sequence[Any],
+                 members: bool = False) -> tuple[Any, ...]:
+    """Each slot's tree of `[P, ...]` leaves (`members`: `[P, F, ...]`) onto
+    the mesh, the same on every replica: `[D, P, ...]`; on a sharded stage
+    `[D, P, F, ...]`, a leaf without members the same on every member."""
+    def put(v):
+      v = np.asarray(v)
+      if self._lead == 3 and not members:
+        v = np.broadcast_to(v[:, None], (v.shape[0], self.fsdp) + v.shape[1:])
+      return self._put(np.broadcast_to(v, (self.num_replicas,) + v.shape),
+                       self._device_spec)
+
+    return tuple(jax.tree.map(put, tree) for tree in slots)
 
   def _stage_rows(self, slots, field: Callable = lambda v: v) -> np.ndarray:
     """Replica rows `[D, S, ...]`, in stage order, of a per-stage field held
     slot by slot (`field` picks the leaf from each slot's tree)."""
     blocks = [self._fetch(field(tree)) for tree in slots]
+    if self._lead == 3:  # every member holds these whole: member 0's
+      blocks = [b[:, :, 0] for b in blocks]
     rows = np.empty(blocks[0].shape[:1] + (len(self.stage_fns),)
                     + blocks[0].shape[2:], blocks[0].dtype)
     for j, block in enumerate(blocks):
@@ -347,32 +385,69 @@ class Pipeline:
                            else packing.Packing(states))
     opt_states = scope_lib.init_states(self.optimizer, self.optimizer_scope,
                                        stage_params, self.tied)
-    self._param_packing = self.layout(stage_params)
-    self._opt_packing = self.layout(opt_states)
-    params = self._param_packing.pack_all(stage_params)
+    self._param_trees = jax.tree.map(
+        lambda v: jax.ShapeDtypeStruct(np.shape(v), jnp.dtype(v.dtype)),
+        stage_params)
+    if self.fsdp > 1:
+      params, opt = self._init_sharded(stage_params, opt_states)
+      init_sync = jax.vmap(jax.vmap(self.sync.init_state))
+    else:
+      self._param_packing = self.layout(stage_params)
+      self._opt_packing = self.layout(opt_states)
+      params = self._param_packing.pack_all(stage_params)
+      opt = self._opt_packing.pack_all(opt_states)
+      init_sync = jax.vmap(self.sync.init_state)
+    members = self.fsdp > 1
     return PipelineState(
         ring=self._put_slots([self._initial_ring(params, stages)
-                              for stages in self.placement.stages.T]),
-        opt_state=self._per_device(self._opt_packing.pack_all(opt_states)),
-        grads=self._per_device(jax.tree.map(jnp.zeros_like, params)),
+                              for stages in self.placement.stages.T], members),
+        opt_state=self._per_device(opt, members),
+        grads=self._per_device(jax.tree.map(jnp.zeros_like, params), members),
         buffers=None, history=None,
-        sync=self._per_device(jax.vmap(self.sync.init_state)(params)),
+        sync=self._per_device(init_sync(params), members),
         step=self._put(np.zeros((), np.int32), P()),
         stage_state=None if states is None else self._per_device(
             self._state_packing.pack_all(states)))
 
+  def _init_sharded(self, stage_params, opt_states) -> tuple:
+    """Cuts each stage's weights and optimizer state over 'fsdp'
+    (`fsdp.Shards`): the packed parts `[S, F, L]` of both."""
+    F = self.fsdp
+    params = fsdp_lib.Shards(stage_params, F, self.fsdp_rule)
+    opt = fsdp_lib.Shards(opt_states, F, self.fsdp_rule, like=params)
+    elementwise = (self.optimizer_scope == "stage"
+                   and fsdp_lib.elementwise(self.optimizer)
+                   and all(packing.shares_structure(
+                       jax.eval_shape(self.optimizer.init, part), whole)
+                           for part, whole in zip(params.trees, opt.trees)))
+    self._sharded = fsdp_lib.Sharded(params, opt, elementwise)
+    self._param_packing = self.layout(params.trees)
+    self._opt_packing = self.layout(opt.trees)
+
+    def parts(shards, layout, trees):
+      per_member = [layout.pack_all([shards.cut(s, t, i)
+                                     for s, t in enumerate(trees)])
+                    for i in range(F)]
+      return {k: np.stack([np.asarray(m[k]) for m in per_member], axis=1)
+              for k in per_member[0]}
+
+    return (parts(params, self._param_packing, stage_params),
+            parts(opt, self._opt_packing, opt_states))
+
   def _initial_ring(self, params, stages: np.ndarray) -> WeightRing:
     """The rings of `stages` (one slot's, one per device) with version 0 in
     ring slot 0 and the others empty, `[P, R, ...]` (R: the slot's ring
-    size, `Program.ring_sizes`)."""
+    size, `Program.ring_sizes`); sharded, `params` are `[S, F, L]` and the
+    ring `[P, F, R, ...]`."""
     R = self.program.ring_sizes[stages[0]]
-    ring = {k: np.zeros((len(stages), R) + v.shape[1:], v.dtype)
+    lead = (len(stages),) + ((self.fsdp,) if self.fsdp > 1 else ())
+    ring = {k: np.zeros(lead + (R,) + v.shape[len(lead):], v.dtype)
             for k, v in params.items()}
     for k, v in params.items():
-      ring[k][:, 0] = np.asarray(v)[stages]
-    versions = np.full((len(stages), R), -1, np.int32)
-    versions[:, 0] = 0
-    return WeightRing(ring, versions, np.zeros(len(stages), np.int32))
+      ring[k][(slice(None),) * len(lead) + (0,)] = np.asarray(v)[stages]
+    versions = np.full(lead + (R,), -1, np.int32)
+    versions[..., 0] = 0
+    return WeightRing(ring, versions, np.zeros(lead, np.int32))
 
   def params(self, state: PipelineState, replica: int = 0) -> tuple[Any, ...]:
     """The latest weights of the S stages held by data replica `replica`."""
@@ -382,8 +457,18 @@ class Pipeline:
                           self._fetch(ring.latest)[replica])
       flat = {k: self._fetch(v)[replica] for k, v in ring.params.items()}
       for d, s in enumerate(self.placement.stages[:, j]):
+        if self._sharded is not None:  # member i's part of the version
+          at = int(np.argmax(versions[d, 0] == latest[d, 0]))
+          rows[int(s)] = self._sharded.params.merge(int(s), [
+              self._param_packing.unpack(int(s), {k: v[d, i, at]
+                                                  for k, v in flat.items()})
+              for i in range(self.fsdp)])
+          continue
         at = int(np.argmax(versions[d] == latest[d]))
         rows[int(s)] = {k: v[d, at] for k, v in flat.items()}
+    if self._sharded is not None:
+      return tuple(jax.tree.map(np.asarray, rows[s])
+                   for s in range(len(self.stage_fns)))
     return self._param_packing.unpack_all(
         {k: np.stack([rows[s][k] for s in range(len(self.stage_fns))])
          for k in rows[0]})
@@ -424,9 +509,7 @@ class Pipeline:
       raise ValueError("step() before init(); valid: state = pipe.init("
                        "stage_params), then pipe.step(state, ...)")
     B, M = self.schedule.num_minibatches, self.schedule.num_microbatches
-    local_replicas = sum(  # replica rows holding a device of this process
-        any(d.process_index == jax.process_index() for d in row)
-        for row in self.mesh.devices)
+    local_replicas = len(self._local_columns())
     for name, tree in (("inputs", inputs), ("targets", targets)):
       shapes = [np.shape(v) for v in jax.tree.leaves(tree)]
       for shape in shapes:
@@ -436,6 +519,15 @@ class Pipeline:
               f"{name} shape {shape} is invalid; valid: [{B}, {M}, a "
               f"multiple of {local_replicas} data replicas (the same for "
               "every leaf), ...]")
+
+  def _local_columns(self) -> list[int]:
+    """The micro-batch columns (data replica, and member on 'fsdp') whose
+    devices this process holds."""
+    devices = self.mesh.devices.reshape(self.num_replicas, -1, self.fsdp)
+    return [r * self.fsdp + f for r in range(self.num_replicas)
+            for f in range(self.fsdp)
+            if any(d.process_index == jax.process_index()
+                   for d in devices[r, :, f])]
 
   def arguments(self, state: PipelineState, inputs, targets) -> tuple:
     """The window step's arguments, placed on the mesh: `(state, inputs,
@@ -529,7 +621,8 @@ class Pipeline:
       return state._replace(drained=drained), {"loss": jnp.nan,
                                                "num_losses": 0}
     zeros = lambda tree: jax.tree.map(  # pylint: disable=unnecessary-lambda-assignment
-        lambda h: self._put(np.zeros((B,) + h.shape[1:], h.dtype), _WINDOW),
+        lambda h: self._put(np.zeros((B,) + h.shape[1:], h.dtype),
+                            self._window_spec),
         tree)
     inputs, targets = zeros(state.history.inputs), zeros(state.history.targets)
     total, count = 0.0, 0
@@ -574,9 +667,9 @@ class Pipeline:
     fns = tuple(stage_lib.bind(f, train=False, first=s == 0)
                 for s, f in enumerate(self.stage_fns))
     micro = lambda v: jax.ShapeDtypeStruct(  # pylint: disable=unnecessary-lambda-assignment
-        (v.shape[2] // self.num_replicas,) + v.shape[3:], v.dtype)
+        (v.shape[2] // self._columns,) + v.shape[3:], v.dtype)
     stage_inputs = [jax.tree.map(micro, inputs)]
-    for s, params in enumerate(self._param_packing.trees):
+    for s, params in enumerate(self._param_trees):
       out = jax.eval_shape(fns[s], params,
                            self._bound_input(s, stage_inputs[-1]))
       stage_inputs.append(out)
@@ -590,20 +683,24 @@ class Pipeline:
         output=stage_inputs[-1][0], wants=self._wants,
         states=self._state_packing, objective=objective,
         seed=self.seed, num_microbatches=self.schedule.num_microbatches,
-        placement=self.placement)
+        placement=self.placement, sharded=self._sharded)
 
     @jax.jit
     def evaluate_fn(state, inputs, targets):
       return jax.shard_map(
           functools.partial(forward_only.run, ctx), mesh=self.mesh,
-          in_specs=(state_specs(state),
-                    jax.tree.map(lambda _: _WINDOW, inputs),
-                    jax.tree.map(lambda _: _WINDOW, targets)),
+          in_specs=(self._state_specs(state),
+                    jax.tree.map(lambda _: self._window_spec, inputs),
+                    jax.tree.map(lambda _: self._window_spec, targets)),
           out_specs=(jax.tree.map(lambda _: P(), ctx.objective[1]) | {
-              "loss": P()}, jax.tree.map(lambda _: P(None, DATA), ctx.output)),
+              "loss": P()}, jax.tree.map(
+                  lambda _: P(None, self._window_spec[2]), ctx.output)),
           check_vma=False)(state, inputs, targets)
 
     return evaluate_fn
+
+  def _state_specs(self, state: PipelineState) -> PipelineState:
+    return state_specs(state, self._device_spec, self._window_spec)
 
   def lower(self, state: PipelineState, inputs, targets) -> jax.stages.Lowered:
     """The window step for these arguments, lowered (e.g. for its HLO)."""
@@ -631,24 +728,24 @@ class Pipeline:
     """What the tick functions know statically, for windows of this shape."""
     micro = lambda tree: jax.tree.map(  # pylint: disable=unnecessary-lambda-assignment
         lambda v: jax.ShapeDtypeStruct(
-            (v.shape[2] // self.num_replicas,) + v.shape[3:], v.dtype), tree)
+            (v.shape[2] // self._columns,) + v.shape[3:], v.dtype), tree)
     stage_inputs = [micro(inputs)]
-    for s, params in enumerate(self._param_packing.trees[:-1]):
+    for s, params in enumerate(self._param_trees[:-1]):
       stage_inputs.append(jax.eval_shape(
           self._fns[s], params, self._bound_input(s, stage_inputs[-1])))
     bound_inputs = [self._bound_input(s, x) for s, x in enumerate(stage_inputs)]
     target = micro(targets)
     for s, fn in enumerate(self._state_fns):
       if fn is not None:
-        stage_lib.check_state(self._fns[s], fn, self._param_packing.trees[s],
+        stage_lib.check_state(self._fns[s], fn, self._param_trees[s],
                               bound_inputs[s], s)
     objective = jax.eval_shape(
         lambda p, x, t: self._loss_fn(self._fns[-1](p, x), t),
-        self._param_packing.trees[-1], bound_inputs[-1], target)
+        self._param_trees[-1], bound_inputs[-1], target)
     split, forwards = self._forwards(bound_inputs, target)
     layout = None
     if self.remat == "residuals":
-      layout = residuals_lib.analyse(forwards, self._param_packing.trees,
+      layout = residuals_lib.analyse(forwards, self._param_trees,
                                      bound_inputs, target)
     return tick_lib.Stages(
         fns=self._fns, state_fns=self._state_fns, loss_fn=self._loss_fn, params=self._param_packing,
@@ -662,7 +759,7 @@ class Pipeline:
         wants=self._wants, seed=self.seed,
         whole_model=self.optimizer_scope == "model",
         states=self._state_packing, objective=objective,
-        placement=self.placement, tied=self.tied)
+        placement=self.placement, tied=self.tied, sharded=self._sharded)
 
   def _bound_input(self, s: int, x):
     """Stage s's input `x` (shapes) as its bound function takes it
@@ -685,7 +782,7 @@ class Pipeline:
     objectives = [lambda p, x, t, s=s: residuals_lib.objective(
         self._fns[s], self._loss_fn, s == last, t)(p, x)
                   for s in range(len(self.stage_fns))]
-    split = split_lib.analyse_all(objectives, self._param_packing.trees,
+    split = split_lib.analyse_all(objectives, self._param_trees,
                                   stage_inputs, target)
     return split, tuple(functools.partial(split_lib.forward, stage)
                         for stage in split.stages)
@@ -703,7 +800,8 @@ class Pipeline:
     ctx = self._context(inputs, targets)
     D, P, C = (self.num_replicas, self.placement.num_devices,
                self.program.num_slots)
-    rows = lambda lengths: {k: (D, P, C + 1, n)  # pylint: disable=unnecessary-lambda-assignment
+    F = (self.fsdp,) if self._lead == 3 else ()
+    rows = lambda lengths: {k: (D, P) + F + (C + 1, n)  # pylint: disable=unnecessary-lambda-assignment
                             for k, n in lengths.items()}  # + scratch
     kept = lambda layout: {} if layout is None else rows(layout.packing.lengths)  # pylint: disable=unnecessary-lambda-assignment
     return tuple(Buffers(rows(ctx.boundaries.acts.lengths),
@@ -716,10 +814,10 @@ class Pipeline:
     H, B = self.program.history, self.schedule.num_minibatches
     past = lambda tree: None if H == 0 else jax.tree.map(  # pylint: disable=unnecessary-lambda-assignment
         lambda x: self._put(np.zeros((H * B,) + x.shape[1:], x.dtype),
-                            _WINDOW), tree)
+                            self._window_spec), tree)
     return state._replace(
         buffers=tuple(Buffers(*[
-            {k: self._put(np.zeros(shape, k), _PER_DEVICE)
+            {k: self._put(np.zeros(shape, k), self._device_spec)
              for k, shape in field.items()} for field in slot])
                       for slot in self._buffer_shapes(inputs, targets)),
         history=InputHistory(past(inputs), past(targets)))
@@ -732,12 +830,12 @@ class Pipeline:
     def step_fn(state, inputs, targets, tables, plan):
       mapped = jax.shard_map(
           functools.partial(run_window, ctx), mesh=self.mesh,
-          in_specs=(state_specs(state),
-                    jax.tree.map(lambda _: _WINDOW, inputs),
-                    jax.tree.map(lambda _: _WINDOW, targets),
+          in_specs=(self._state_specs(state),
+                    jax.tree.map(lambda _: self._window_spec, inputs),
+                    jax.tree.map(lambda _: self._window_spec, targets),
                     jax.tree.map(lambda _: P(), tables),
                     jax.tree.map(lambda _: P(), plan)),
-          out_specs=(state_specs(state), P()), check_vma=False)
+          out_specs=(self._state_specs(state), P()), check_vma=False)
       return mapped(state, inputs, targets, tables, plan)
 
     return step_fn

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from stalepipe.pipeline import boundary as boundary_lib
+from stalepipe.pipeline import fsdp
 from stalepipe.pipeline import packing
 from stalepipe.pipeline import placement as placement_lib
 from stalepipe.pipeline import stage as stage_lib
@@ -41,6 +42,15 @@ class Forward(NamedTuple):
   seed: int
   num_microbatches: int  # M
   placement: placement_lib.Placement  # the stages each device holds
+  sharded: Any = None  # `fsdp.Sharded`: each stage cut over 'fsdp'; None
+
+  @property
+  def lead(self) -> int:
+    return 2 if self.sharded is None else 3
+
+  @property
+  def batch_axes(self):
+    return DATA if self.sharded is None else (DATA, fsdp.FSDP)
 
 
 def _zero_objective(ctx: Forward):
@@ -61,7 +71,13 @@ def _forward(ctx: Forward, s: int, inputs, targets, weights, states, replica,
   x = stage_lib.with_extras(
       x, ctx.wants[s], ctx.seed, p, m, s, replica,
       None if "state" not in ctx.wants[s] else ctx.states.unpack(s, states))
-  y = ctx.fns[s](ctx.params.unpack(s, weights), x)
+  if ctx.sharded is None:
+    weights = ctx.params.unpack(s, weights)
+  else:  # the members' parts, gathered before the branch
+    weights = ctx.sharded.params.merge(s, [
+        ctx.params.unpack(s, {k: v[i] for k, v in weights.items()})
+        for i in range(ctx.sharded.size)])
+  y = ctx.fns[s](weights, x)
   zeros = _zero_objective(ctx)
   if not last:
     return (ctx.boundaries.pack_input(s + 1, y), zeros,
@@ -78,9 +94,12 @@ def _slot(ctx: Forward, state: PipelineState, inputs, targets, replica,
   """Slot j of this device: its stage and the forward of each stage a
   device may hold there (`placement.py`), on its latest weights."""
   candidates = ctx.placement.stages[:, j]
-  weights = tick_lib.read_version(local(state.ring, j), 0)
+  weights = tick_lib.read_version(local(state.ring, j, ctx.lead), 0)
+  if ctx.sharded is not None:
+    weights = fsdp.gather(weights)
   branches = [functools.partial(_forward, ctx, int(s), inputs, targets,
-                                weights, local(state.stage_state, j), replica)
+                                weights, local(state.stage_state, j, ctx.lead),
+                                replica)
               for s in candidates]
   return jnp.asarray(candidates)[device], branches
 
@@ -127,7 +146,8 @@ def run(ctx: Forward, state: PipelineState, inputs, targets):
   (_, loss_sum, outputs), _ = jax.lax.scan(one_tick, start,
                                            jnp.arange(N + S - 1))
   loss, metrics = jax.tree.map(
-      lambda v: jax.lax.pmean(jax.lax.psum(v, STAGE), DATA) / N, loss_sum)
+      lambda v: jax.lax.pmean(jax.lax.psum(v, STAGE), ctx.batch_axes) / N,
+      loss_sum)
   # The last stage's outputs to every stage (the others hold zeros), each
   # leaf in its own dtype (a psum of bools would give int32).
   outputs = jax.tree.map(lambda o: jax.lax.psum(o, STAGE).astype(o.dtype),

@@ -4,6 +4,8 @@ What lives with one stage of one replica is held slot by slot: each such
 field of `PipelineState` is a tuple of F trees (F stages a device, in its
 local slots, `placement.py`), slot j's leaves `[D, P, ...]` sharded over
 ('data', 'stage'), holding on device d the stage `placement.stages[d, j]`.
+A stage sharded over 'fsdp' (`fsdp.py`) adds a member axis: `[D, P, F, ...]`,
+sharded over ('data', 'stage', 'fsdp'), member i holding its part.
 Inside the shard_map program each device sees its own `[1, 1, ...]` block of
 each slot, which `local` reads as the per-stage view the tick functions work
 on without moving a byte: a folded device's rings and buffers are not cut
@@ -88,16 +90,18 @@ class TickCarry(NamedTuple):
   outbox: Any = None  # `tick.Outbox`: what its task sent in its last tick
 
 
-def local(slots: Sequence[Any] | None, slot: int = 0):
+def local(slots: Sequence[Any] | None, slot: int = 0, lead: int = 2):
   """Local slot `slot`'s view of a per-stage field on this device: its
-  `[1, 1, ...]` blocks without their two leading axes (None stays None)."""
+  `[1, 1, ...]` blocks without their `lead` leading axes (3 where a stage
+  is sharded over 'fsdp': `[D, P, F, ...]`, `fsdp.py`; None stays None)."""
   if slots is None:
     return None
-  return jax.tree.map(lambda v: v[0, 0], slots[slot])
+  return jax.tree.map(lambda v: v[(0,) * lead], slots[slot])
 
 
-def unlocal(trees: Sequence[Any]) -> tuple[Any, ...] | None:
-  """The inverse of `local`: the F slots' views as `[1, 1, ...]` blocks."""
+def unlocal(trees: Sequence[Any], lead: int = 2) -> tuple[Any, ...] | None:
+  """The inverse of `local`: the slots' views as `[1, 1, ...]` blocks."""
   if all(tree is None for tree in trees):
     return None
-  return tuple(jax.tree.map(lambda v: v[None, None], tree) for tree in trees)
+  return tuple(jax.tree.map(lambda v: v[(None,) * lead], tree)
+               for tree in trees)

@@ -35,6 +35,7 @@ import optax
 from stalepipe import sync as sync_lib
 from stalepipe.pipeline import boundary as boundary_lib
 from stalepipe.pipeline import contract
+from stalepipe.pipeline import fsdp
 from stalepipe.pipeline import packing
 from stalepipe.pipeline import placement as placement_lib
 from stalepipe.pipeline import program as program_lib
@@ -83,6 +84,18 @@ class Stages(NamedTuple):
   #   which device on 'stage' (`placement.py`)
   tied: frozenset = frozenset()  # names of parameters several stages hold
   #   (`scope.join`: their gradients summed, one update on every copy)
+  sharded: fsdp.Sharded | None = None  # each stage cut over 'fsdp'
+  #   (`fsdp.py`); None: a stage on one device
+
+  @property
+  def lead(self) -> int:
+    """Leading block axes of a per-stage field (`state.local`)."""
+    return 2 if self.sharded is None else 3
+
+  @property
+  def batch_axes(self):
+    """The axes a micro-batch is split over: 'data' (and 'fsdp')."""
+    return DATA if self.sharded is None else (DATA, fsdp.FSDP)
 
   @property
   def num_stages(self) -> int:
@@ -107,6 +120,8 @@ class Window(NamedTuple):
   device: jax.Array  # int32 []: this device's index on 'stage'
   candidates: tuple[int, ...] = ()  # the stage each device holds in the
   #   slot running: what dispatch chooses from, by `device`
+  gathered: Any = None  # sharded stage: the slot's version its task reads,
+  #   all-gathered over 'fsdp', dtype -> [F, L] (`fsdp.gather`)
 
 
 def at_slot(ctx: Stages, window: Window, j: int) -> Window:
@@ -162,9 +177,42 @@ def read_version(ring: WeightRing, lag) -> packing.Flat:
   return {k: v[slot] for k, v in ring.params.items()}
 
 
-def task_weights(ctx: Stages, s: int, carry: TickCarry, instr) -> Any:
-  """Stage s's weights for a task: the version its row names, through the
+def merged(ctx: Stages, s: int, gathered: packing.Flat, shards=None,
+           layout=None) -> Any:
+  """Stage s's whole tree from its members' packed parts gathered over
+  'fsdp' (`[F, L]` per dtype): weights by default, or the optimizer
+  state's (`shards`, `layout`)."""
+  shards = shards or ctx.sharded.params
+  layout = layout or ctx.params
+  return shards.merge(s, [layout.unpack(s, {k: v[i] for k, v in
+                                            gathered.items()})
+                          for i in range(shards.size)])
+
+
+def own_part(ctx: Stages, s: int, tree, shards=None, layout=None
+             ) -> packing.Flat:
+  """This member's part of stage s's whole tree, packed (`merged`'s
+  inverse)."""
+  shards = shards or ctx.sharded.params
+  layout = layout or ctx.params
+  return layout.pack(s, shards.cut(s, tree, fsdp.member()))
+
+
+def gradient_rows(ctx: Stages, s: int, grads) -> packing.Flat:
+  """Stage s's whole gradient as the `[F, L]` rows (member i's part in row
+  i) that `fsdp.scatter_mean` reduces."""
+  rows = [ctx.params.pack(s, part)
+          for part in ctx.sharded.params.parts(s, grads)]
+  return {k: jnp.stack([r[k] for r in rows]) for k in rows[0]}
+
+
+def task_weights(ctx: Stages, s: int, carry: TickCarry, instr,
+                 window: Window | None = None) -> Any:
+  """Stage s's weights for a task: the version its row names (on a sharded
+  stage, gathered before the task: `window.gathered`), through the
   optimizer's `predict` when it has one (SAPipe, SpecTrain, PipeMare)."""
+  if ctx.sharded is not None:
+    return merged(ctx, s, window.gathered)
   weights = ctx.params.unpack(s, read_version(carry.ring, instr.lag))
   if not ctx.predicts:
     return weights
@@ -270,7 +318,7 @@ def forward(ctx: Stages, s: int, carry: TickCarry, instr, window: Window):
   remat="residuals" it runs `jax.vjp` and keeps the pullback's residuals
   (split backward: BI's pullback and the weight ops' inputs BW reads)."""
   last = s == ctx.num_stages - 1
-  weights, x = (task_weights(ctx, s, carry, instr),
+  weights, x = (task_weights(ctx, s, carry, instr, window),
                 bound_input(ctx, s, carry, instr, window))
   target = (window_item(window.targets, instr.minibatch, instr.microbatch)
             if last else None)
@@ -357,7 +405,7 @@ def backward(ctx: Stages, s: int, kind: kinds_lib.TaskKind, carry: TickCarry,
   (nF1B: for every micro-batch of the minibatch); BI of a split backward
   keeps the weight ops' output cotangents for BW. Returns (carry, output,
   the weight gradient's pieces or None)."""
-  weights = task_weights(ctx, s, carry, instr)
+  weights = task_weights(ctx, s, carry, instr, window)
   grads, sends, losses = None, [], zero_objective(ctx)
   for w in range(ctx.program.backward_width):
     g_w, g_x, loss, op_cots = gradients(ctx, s, kind, carry, instr, window,
@@ -380,7 +428,11 @@ def backward(ctx: Stages, s: int, kind: kinds_lib.TaskKind, carry: TickCarry,
   if op_cots is not None and kinds_lib.WEIGHT_GRADIENT not in kind.produces:
     out = out._replace(op_cotangents=ctx.split.packing.pack(s, op_cots),
                        op_cotangents_slot=slot_of(ctx, instr, window))
-  return carry, out, None if grads is None else ctx.params.pieces(s, grads)
+  if grads is None:
+    return carry, out, None
+  if ctx.sharded is not None:
+    return carry, out, gradient_rows(ctx, s, grads)
+  return carry, out, ctx.params.pieces(s, grads)
 
 
 def run_task(ctx: Stages, s: int, kind: kinds_lib.TaskKind, carry: TickCarry,
@@ -419,11 +471,9 @@ def run_tasks(ctx: Stages, carry: TickCarry, instr, window: Window):
   """
   branches = task_branches(ctx)
   kinds = [kinds_lib.kind(name) for name in ctx.program.kinds]
-  adds = [c for c, k in enumerate(kinds, start=1)
-          if kinds_lib.WEIGHT_GRADIENT in k.produces]
+  adds = gradient_codes(ctx)
   rest = [c for c in range(1, len(kinds) + 1) if c not in adds]
-  zeros = jax.tree.map(lambda g: jnp.zeros(g.shape, g.dtype), jax.eval_shape(
-      lambda: ctx.params.pieces(0, ctx.params.trees[0])))
+  zeros = zero_gradient(ctx)
 
   def group(codes, c, gradient):
     # Code 0 (idle) stays first in each group, as every lowering expects.
@@ -438,17 +488,52 @@ def run_tasks(ctx: Stages, carry: TickCarry, instr, window: Window):
   def adding(c):
     done, output, gradient = group(
         adds, c, lambda d, o, g: (d, o, zeros if g is None else g))
+    if ctx.sharded is not None:  # reduce-scattered outside, `add_gradient`
+      return done._replace(grads=c.grads, grads_spent=c.grads_spent), (
+          output, gradient)
     grads = jax.tree.map(jnp.add, accumulated(c), ctx.params.join(gradient))
     return done._replace(grads=grads, grads_spent=jnp.zeros((), bool)), output
 
   def not_adding(c):
     done, output = group(rest, c, lambda d, o, g: (d, o))
+    if ctx.sharded is not None:
+      output = (output, zeros)
     return done._replace(grads=c.grads, grads_spent=c.grads_spent), output
 
   if not adds:
     return not_adding(carry)
   return jax.lax.cond(jnp.isin(instr.kind, np.asarray(adds)), adding,
                       not_adding, carry)
+
+
+def gradient_codes(ctx: Stages) -> list[int]:
+  """The kind codes whose tasks produce a weight gradient."""
+  return [c for c, name in enumerate(ctx.program.kinds, start=1)
+          if kinds_lib.WEIGHT_GRADIENT in kinds_lib.kind(name).produces]
+
+
+def zero_gradient(ctx: Stages):
+  """Zeros shaped as a task's weight gradient leaves its branch: pieces
+  (`Packing.pieces`), or on a sharded stage `gradient_rows`."""
+  if ctx.sharded is None:
+    shapes = jax.eval_shape(lambda t: ctx.params.pieces(0, t),
+                            ctx.params.trees[0])
+  else:
+    shapes = jax.eval_shape(lambda t: gradient_rows(ctx, 0, t),
+                            ctx.sharded.params.full[0])
+  return jax.tree.map(lambda g: jnp.zeros(g.shape, g.dtype), shapes)
+
+
+def add_gradient(ctx: Stages, carry: TickCarry, rows, instr) -> TickCarry:
+  """A sharded stage's task gradient (`gradient_rows`, zeros where the task
+  produced none), reduce-scattered over 'fsdp' outside every conditional
+  and added to this member's part of the accumulator."""
+  produced = jnp.isin(instr.kind, np.asarray(gradient_codes(ctx) or [-1]))
+  part = fsdp.scatter_mean(rows, ctx.sharded.size)
+  grads = jax.tree.map(lambda a, g, old: jnp.where(produced, a + g, old),
+                       accumulated(carry), part, carry.grads)
+  return carry._replace(grads=grads, grads_spent=jnp.where(
+      produced, jnp.zeros((), bool), carry.grads_spent))
 
 
 def keep_residuals(carry: TickCarry, output: TaskOutput) -> TickCarry:
@@ -572,6 +657,34 @@ def optimizer_step(ctx: Stages, s: int, carry: TickCarry, grads, instr):
           ctx.opt.pack(s, opt_state))
 
 
+def gathered_inputs(ctx: Stages, carry: TickCarry, grads, instr) -> dict:
+  """A sharded stage's update inputs gathered over 'fsdp' (`[F, L]` per
+  dtype), for a rule that is not elementwise (`gathered_step`)."""
+  return {name: fsdp.gather(flat) for name, flat in (
+      ("current", read_version(carry.ring, 0)),
+      ("stale", read_version(carry.ring, instr.update_lag)),
+      ("grads", grads), ("local", accumulated(carry)),
+      ("opt", carry.opt_state))}
+
+
+def gathered_step(ctx: Stages, s: int, carry: TickCarry, gathered, instr):
+  """`optimizer_step` on a sharded stage's whole tree (`gathered_inputs`):
+  the rule sees the stage as the unsharded run does (a global norm, full
+  delay compensation's `<g, dx>`, Muon's whole matrices); this member keeps
+  its part of the new weights and state."""
+  del carry
+  tree = lambda name: merged(ctx, s, gathered[name])  # pylint: disable=unnecessary-lambda-assignment
+  current = tree("current")
+  kwargs = contract.extra_args(
+      ctx.optimizer, ctx.stale_schedule, stale_params=tree("stale"),
+      staleness=instr.update_staleness, local_updates=tree("local"))
+  updates, opt_state = ctx.optimizer.update(
+      tree("grads"), merged(ctx, s, gathered["opt"], ctx.sharded.opt,
+                            ctx.opt), current, **kwargs)
+  return (own_part(ctx, s, optax.apply_updates(current, updates)),
+          own_part(ctx, s, opt_state, ctx.sharded.opt, ctx.opt))
+
+
 def model_step(ctx: Stages, carries, grads, instr):
   """The optimizer on the whole model (`scope.py`): every stage's gradient,
   weights and extra arguments gathered over this device's slots and over
@@ -579,12 +692,16 @@ def model_step(ctx: Stages, carries, grads, instr):
   S stage trees) with the whole model's state (each stage holds a copy). Every device computes the
   same update; returns the S new stage trees and the new state."""
   stages = ctx.placement.stages
+  sharded = ctx.sharded is not None
 
   def whole(flats):
+    if sharded:  # each member's part first: [P, F, L]
+      flats = [fsdp.gather(flat) for flat in flats]
     gathered = [{k: jax.lax.all_gather(v, STAGE) for k, v in flat.items()}
                 for flat in flats]
-    trees = {int(s): ctx.params.unpack(int(s), {
-        k: v[d] for k, v in gathered[j].items()})
+    row = lambda j, d: {k: v[d] for k, v in gathered[j].items()}  # pylint: disable=unnecessary-lambda-assignment
+    trees = {int(s): merged(ctx, int(s), row(j, d)) if sharded
+             else ctx.params.unpack(int(s), row(j, d))
              for (d, j), s in np.ndenumerate(stages)}
     return tuple(trees[s] for s in range(ctx.num_stages))
 
@@ -598,9 +715,11 @@ def model_step(ctx: Stages, carries, grads, instr):
                                for c in carries])),
       staleness=instr.update_staleness,
       local_updates=add(whole([accumulated(c) for c in carries])))
-  updates, opt_state = ctx.optimizer.update(
-      add(whole(grads)), ctx.opt.unpack(0, carries[0].opt_state), current,
-      **kwargs)
+  opt_state = (merged(ctx, 0, fsdp.gather(carries[0].opt_state),
+                      ctx.sharded.opt, ctx.opt) if sharded
+               else ctx.opt.unpack(0, carries[0].opt_state))
+  updates, opt_state = ctx.optimizer.update(add(whole(grads)), opt_state,
+                                            current, **kwargs)
   return (scope_lib.parts(optax.apply_updates(current, updates), stage_trees,
                           ctx.tied), opt_state)
 
@@ -654,18 +773,27 @@ def apply_updates(ctx: Stages, windows, carries, instrs) -> tuple:
   (`optimizer_step`), or with the model scope one step of the whole model,
   which every stage applies at the same tick (`Schedule.together`)."""
   if not ctx.whole_model:
-    own = functools.partial(optimizer_step, ctx)
+    if ctx.sharded is None or ctx.sharded.elementwise:
+      own, inputs = functools.partial(optimizer_step, ctx), (
+          lambda c, i: reduced_gradient(ctx, c))
+    else:  # the gathers run before the per-stage branch, not inside it
+      own, inputs = functools.partial(gathered_step, ctx), (
+          lambda c, i: gathered_inputs(ctx, c, reduced_gradient(ctx, c), i))
     return tuple(jax.lax.cond(
         i.update == 1,
-        lambda c, w=w, i=i: apply_update(ctx, w, c, i,
-                                         reduced_gradient(ctx, c), own),
+        lambda c, w=w, i=i: apply_update(ctx, w, c, i, inputs(c, i), own),
         lambda c: c, c) for w, c, i in zip(windows, carries, instrs))
 
   def together(cs):
     grads = [reduced_gradient(ctx, c) for c in cs]
     new, new_state = model_step(ctx, cs, grads, instrs[0])
-    step = lambda s, c, g, i: (ctx.params.pack(s, new[s]),  # pylint: disable=unnecessary-lambda-assignment
-                               ctx.opt.pack(s, new_state))
+    if ctx.sharded is not None:
+      step = lambda s, c, g, i: (  # pylint: disable=unnecessary-lambda-assignment
+          own_part(ctx, s, new[s]),
+          own_part(ctx, s, new_state, ctx.sharded.opt, ctx.opt))
+    else:
+      step = lambda s, c, g, i: (ctx.params.pack(s, new[s]),  # pylint: disable=unnecessary-lambda-assignment
+                                 ctx.opt.pack(s, new_state))
     return tuple(apply_update(ctx, w, c, i, g, step)
                  for w, c, i, g in zip(windows, cs, instrs, grads))
 
@@ -702,15 +830,23 @@ def run_slot(ctx: Stages, carry: TickCarry, instr, window: Window):
   """A slot's task, what it sends written over its outbox; a slot with no
   task skips it under one two-way `cond` (a folded device's stages are idle
   most ticks of a deep synchronous schedule)."""
+  sharded = ctx.sharded is not None
+
   def work(c):
     c, output = run_tasks(ctx, c, instr, window)
-    return keep_residuals(c, output)._replace(
+    output, rows = output if sharded else (output, None)
+    c = keep_residuals(c, output)._replace(
         outbox=Outbox(output.forward, output.backward))
+    return (c, rows) if sharded else c
 
   if ctx.placement.num_slots == 1:
-    return work(carry)
-  return jax.lax.cond(instr.kind != program_lib.IDLE, work, lambda c: c,
-                      carry)
+    done = work(carry)
+  else:
+    done = jax.lax.cond(
+        instr.kind != program_lib.IDLE, work,
+        lambda c: (c, zero_gradient(ctx)) if sharded else c, carry)
+  # A sharded stage's gradient is reduce-scattered here, outside any cond.
+  return add_gradient(ctx, *done, instr) if sharded else done
 
 
 def tick(ctx: Stages, window: Window, carries: tuple, xs):
@@ -723,5 +859,8 @@ def tick(ctx: Stages, window: Window, carries: tuple, xs):
   instrs = [jax.tree.map(lambda column, w=w: column[w.stage], rows)
             for w in windows]
   carries = receive(ctx, list(carries), previous, windows, window.device)
+  if ctx.sharded is not None:  # each slot's version, gathered before its task
+    windows = [w._replace(gathered=fsdp.gather(read_version(c.ring, i.lag)))
+               for w, c, i in zip(windows, carries, instrs)]
   done = [run_slot(ctx, c, i, w) for w, c, i in zip(windows, carries, instrs)]
   return apply_updates(ctx, windows, done, instrs), None

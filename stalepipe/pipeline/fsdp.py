@@ -1,0 +1,266 @@
+"""A stage bigger than a device: each stage's trees cut over the 'fsdp' axis.
+
+With a mesh ('data', 'stage', 'fsdp') of F > 1 devices on 'fsdp', every
+device of a stage holds 1/F of it (ZeRO-3, as FSDP and MaxText's
+`pipeline_fsdp_*` shard a stage): each leaf of a stage's weights, of every
+weight version in its ring (the stash), of its gradient accumulator and of
+its optimizer state is cut into F equal parts along one dimension
+(`default_dim`: its largest dimension F divides, or a rule the user gives);
+a leaf no dimension of which F divides is held whole by every member, and a
+run says which (`Shards.replicated`). The member's parts of a stage's tree
+are packed as one stage's tree is (`packing.py`), so the executor's rings,
+accumulators and optimizer states hold `[L / F]`-long rows.
+
+Inside the tick (`tick.py`), outside every conditional (a collective under a
+`cond` has served wrong numbers from the persistent compilation cache,
+docs/executor.md):
+
+- before a slot's task runs, its row of the version the task reads is
+  all-gathered over 'fsdp' (one `all_gather` per dtype), and the task
+  merges the F parts into the whole tree (`Shards.merge`);
+- each member runs the task on its 1/F of the micro-batch (the micro-batch
+  axis is split over ('data', 'fsdp'), as ZeRO-3 splits the batch); the
+  weight gradient is cut into F rows (`Shards.rows`) and reduce-scattered
+  over 'fsdp' (`psum_scatter`, then / F: the mean of the members' equal
+  sub-batch means, the micro-batch's mean);
+- the update runs on the member's parts where the rule is elementwise
+  (`elementwise`: SGD, Adam, diagonal delay compensation; no collective),
+  else on the whole stage tree gathered over 'fsdp' (a global norm, full
+  delay compensation's `<g, dx>`, Muon's Newton-Schulz: the numbers of the
+  unsharded run), after which each member keeps its parts.
+"""
+
+from typing import Any, Callable, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from stalepipe.pipeline import contract
+
+FSDP = "fsdp"
+
+Rule = Callable[[str, tuple, int], "int | None"]
+
+
+def default_dim(name: str, shape: tuple, size: int) -> int | None:
+  """The dimension a leaf is cut along over `size` members: its largest
+  dimension `size` divides (the first of equals), None if none does (the
+  leaf is then held whole by every member)."""
+  del name
+  best = None
+  for d, n in enumerate(shape):
+    if n % size == 0 and n >= size and (best is None or n > shape[best]):
+      best = d
+  return best
+
+
+def _leaf_name(path) -> str:
+  return ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+
+
+class Shards:
+  """How each of S trees is cut over `size` members.
+
+  Args:
+    trees: S trees (arrays or `ShapeDtypeStruct`s), one per stage.
+    size: F, the members of a stage on 'fsdp'.
+    rule: `rule(name, shape, F) -> dim or None` for each leaf (`name`, its
+      dotted path); default `default_dim`. A dimension F does not divide is
+      refused.
+    like: an earlier `Shards` whose leaves' dimensions a leaf of this one
+      takes where its path ends with theirs and its shape equals theirs (an
+      optimizer state's `mu.w` is cut as the weight `w`).
+
+  Examples:
+    >>> import numpy as np
+    >>> sh = Shards([{"w": np.zeros((4, 6)), "b": np.zeros(3)}], 2)
+    >>> sh.dims[0], sh.replicated
+    ([None, 1], ['stage 0: b (3,)'])
+    >>> [v.shape for v in jax.tree.leaves(sh.trees[0])]
+    [(3,), (4, 3)]
+  """
+
+  def __init__(self, trees: Sequence[Any], size: int, rule: Rule | None = None,
+               like: "Shards | None" = None):
+    self.size = size
+    self.full = tuple(jax.tree.map(
+        lambda v: jax.ShapeDtypeStruct(np.shape(v), jnp.dtype(v.dtype)), t)
+                      for t in trees)
+    self.dims, self.replicated, self.names = [], [], []
+    known = {} if like is None else {
+        name: (tuple(v.shape), d) for s in range(len(like.full))
+        for name, v, d in zip(like.names[s], jax.tree.leaves(like.full[s]),
+                              like.dims[s])}
+    for s, tree in enumerate(self.full):
+      paths = jax.tree_util.tree_flatten_with_path(tree)[0]
+      names = [_leaf_name(p) for p, _ in paths]
+      dims = []
+      for name, (_, leaf) in zip(names, paths):
+        shape = tuple(leaf.shape)
+        match = [d for n, (sh, d) in known.items()
+                 if sh == shape and (name == n or name.endswith("." + n))]
+        dim = match[0] if match else (rule or default_dim)(name, shape, size)
+        if dim is not None and (not 0 <= dim < len(shape)
+                                or shape[dim] % size):
+          raise ValueError(f"fsdp dimension {dim} of stage {s}'s leaf {name!r} "
+                           f"{shape} is invalid; valid: a dimension {size} "
+                           "divides, or None (held whole)")
+        if dim is None and size > 1 and int(np.prod(shape)) > 1:
+          self.replicated.append(f"stage {s}: {name} {shape}")
+        dims.append(dim)
+      self.dims.append(dims)
+      self.names.append(names)
+    self.trees = tuple(
+        jax.tree.unflatten(jax.tree.structure(t), [
+            jax.ShapeDtypeStruct(_part_shape(v.shape, d, size), v.dtype)
+            for v, d in zip(jax.tree.leaves(t), dims)])
+        for t, dims in zip(self.full, self.dims))
+
+  def cut(self, s: int, tree, member):
+    """Member `member`'s part of stage s's tree (traceable; `member` may be
+    traced)."""
+    leaves = jax.tree.leaves(tree)
+    parts = []
+    for v, d in zip(leaves, self.dims[s]):
+      if d is None:
+        parts.append(v)
+      elif isinstance(member, (int, np.integer)) and not isinstance(
+          v, jax.core.Tracer):
+        n = v.shape[d] // self.size
+        parts.append(np.asarray(v).take(
+            np.arange(member * n, (member + 1) * n), axis=d))
+      else:
+        n = v.shape[d] // self.size
+        parts.append(jax.lax.dynamic_slice_in_dim(v, member * n, n, axis=d))
+    return jax.tree.unflatten(jax.tree.structure(self.full[s]), parts)
+
+  def merge(self, s: int, members: Sequence[Any]):
+    """Stage s's whole tree from its F members' parts (traceable): the parts
+    joined along each leaf's dimension; a whole leaf is the first
+    member's."""
+    columns = zip(*[jax.tree.leaves(m) for m in members])
+    leaves = [c[0] if d is None else jnp.concatenate(c, axis=d)
+              for c, d in zip(columns, self.dims[s])]
+    return jax.tree.unflatten(jax.tree.structure(self.full[s]), leaves)
+
+  def parts(self, s: int, tree) -> list:
+    """Stage s's tree cut into its F members' parts (a gradient's rows for
+    the reduce-scatter: member i's part in row i)."""
+    return [self.cut(s, tree, i) for i in range(self.size)]
+
+
+class Sharded(NamedTuple):
+  """What the tick knows of a stage sharded over 'fsdp'."""
+
+  params: Shards  # how each stage's weights (and accumulator) are cut
+  opt: Shards  # how each stage's optimizer state is cut
+  elementwise: bool  # the rule steps on a member's parts (`elementwise`),
+  #   else on the whole stage tree gathered over 'fsdp'
+
+  @property
+  def size(self) -> int:
+    return self.params.size
+
+
+def _part_shape(shape: tuple, dim: int | None, size: int) -> tuple:
+  if dim is None:
+    return tuple(shape)
+  return tuple(n // size if d == dim else n for d, n in enumerate(shape))
+
+
+def gather(flat: dict) -> dict:
+  """A member's packed row of each dtype, all-gathered over 'fsdp': `[F,
+  L]` (row i member i's)."""
+  return {k: jax.lax.all_gather(v, FSDP) for k, v in flat.items()}
+
+
+def scatter_mean(rows: dict, size: int) -> dict:
+  """`[F, L]` rows per dtype, summed over 'fsdp' with member i keeping row
+  i, over F: the members' mean of their part (`psum_scatter`)."""
+  return {k: (jax.lax.psum_scatter(v, FSDP, scatter_dimension=0) / size
+              ).astype(v.dtype) if jnp.issubdtype(v.dtype, jnp.inexact)
+          else v[0] for k, v in rows.items()}
+
+
+def member() -> jax.Array:
+  """This device's index on 'fsdp' (inside the shard_map program)."""
+  return jax.lax.axis_index(FSDP)
+
+
+_STAND_IN_SHAPES = {"a": (4,), "b": (2, 4), "c": (4, 2)}
+
+
+def elementwise(optimizer) -> bool:
+  """Whether `optimizer` on a tree's halves (each leaf cut in two along its
+  `default_dim`) gives the halves of it on the whole tree: its state's
+  initial value and two steps' updates, at gradient scales 1e-4, 1 and 1e4
+  (relative tolerance 1e-6; the stand-in of `scope.couples_stages`). Such a
+  rule steps on each member's parts; any other on the gathered whole.
+  A rule that fails on the stand-in counts as not elementwise."""
+  rng = np.random.default_rng(0)
+  draw = lambda: {k: rng.normal(size=v).astype(np.float32)  # pylint: disable=unnecessary-lambda-assignment
+                  for k, v in _STAND_IN_SHAPES.items()}
+  params, stale = draw(), draw()
+  grads = [[jax.tree.map(lambda v, c=c: v * c, draw()) for _ in range(2)]
+           for c in (1e-4, 1.0, 1e4)]
+  shards = Shards([params], 2)
+
+  def run(p, st, gs):
+    state, out = optimizer.init(p), []
+    for g in gs:
+      kwargs = contract.extra_args(optimizer, True, stale_params=st,
+                                   staleness=jnp.int32(1), local_updates=g)
+      u, state = optimizer.update(g, state, p, **kwargs)
+      out.append(u)
+    return out + [state]
+
+  def same(a, b) -> bool:
+    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+    return len(la) == len(lb) and all(
+        np.shape(x) == np.shape(y) and np.allclose(x, y, rtol=1e-6, atol=0)
+        for x, y in zip(la, lb))
+
+  try:
+    for gs in grads:
+      whole = run(params, stale, gs)
+      states = Shards([whole[-1]], 2, like=shards)
+      for i in range(2):
+        half = run(shards.cut(0, params, i), shards.cut(0, stale, i),
+                   [shards.cut(0, g, i) for g in gs])
+        if not (all(same(shards.cut(0, u, i), h)
+                    for u, h in zip(whole[:-1], half[:-1]))
+                and same(states.cut(0, whole[-1], i), half[-1])):
+          return False
+  except Exception:  # pylint: disable=broad-except
+    return False
+  return True
+
+
+def check(size: int, remat: str, optimizer, wants, tied) -> None:
+  """Refuses, in one line, what a stage sharded over `size` > 1 members
+  does not run: kept residuals (they would hold the gathered weights of
+  every micro-batch in flight), weight prediction (its `predict` reads the
+  whole optimizer state before the gather), stages taking a PRNG key or a
+  state (each member sees 1/F of the micro-batch: a dropout mask or a batch
+  statistic would not be the unsharded run's) and tied parameters."""
+  if size == 1:
+    return
+  where = f"a stage sharded over 'fsdp' ({size} devices)"
+  if remat != "recompute":
+    raise ValueError(f"remat={remat!r} on {where} is not supported; valid: "
+                     "remat='recompute'")
+  if contract.predicts(optimizer):
+    raise ValueError(f"weight prediction (an optimizer with predict) on "
+                     f"{where} is not supported; valid: a rule without "
+                     "predict, or fsdp=1")
+  for s, takes in enumerate(wants):
+    extras = sorted(set(takes) & {"key", "state"})
+    if extras:
+      raise ValueError(f"stage {s} takes {extras}, which on {where} would "
+                       "differ from the unsharded run (each member sees 1/F "
+                       "of a micro-batch); valid: stages without a key or "
+                       "state, or fsdp=1")
+  if tied:
+    raise ValueError(f"tied parameters {sorted(tied)} on {where} are not "
+                     "supported; valid: no tied parameters, or fsdp=1")
