@@ -1,0 +1,223 @@
+"""A stage sharded over 'fsdp' trains what the unsharded oracle trains.
+
+The executor on meshes ('data', 'stage', 'fsdp') of (2, 2, 2), (1, 2, 4) and
+(1, 1, 8) against `reference.Pipeline` running the same schedule on whole
+stages: GPipe, 1F1B, PipeDream, 2BW, zb-h1, HetPipe with WSP and interleaved
+1F1B, with SGD, AdamW (elementwise: stepped on each member's parts),
+global-norm clipping before AdamW at the model scope and full delay
+compensation (`<g, dx>`: stepped on the gathered stage), and every sync
+policy across 'data'. The cutting itself is checked against NumPy.
+"""
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+import stalepipe as sp
+from stalepipe.models.losses import cross_entropy
+from stalepipe.pipeline import executor
+from stalepipe.pipeline import fsdp
+from stalepipe.pipeline import reference
+
+ATOL, RTOL = 2e-6, 2e-5
+S, M, B = 4, 4, 2
+
+RULES = {
+    "sgd": lambda: optax.sgd(0.3),
+    "adamw": lambda: optax.adamw(1e-2, weight_decay=0.1),
+    "clip_adamw": lambda: optax.chain(optax.clip_by_global_norm(0.5),
+                                      optax.adamw(1e-2)),
+    "full_dc": lambda: optax.chain(
+        sp.optim.delay_compensation(0.5, form="full"), optax.sgd(0.3)),
+}
+
+
+def _schedule(name, P):
+  if name == "hetpipe":
+    return sp.schedules.make(name, num_stages=S, num_microbatches=1,
+                             num_minibatches=B, concurrent_minibatches=2)
+  if name == "interleaved-1f1b":
+    return sp.schedules.make(name, num_stages=S, num_microbatches=M,
+                             num_minibatches=B, num_devices=max(P, 2))
+  return sp.schedules.make(name, num_stages=S, num_microbatches=M,
+                           num_minibatches=B)
+
+
+def _sync(name, D):
+  if name == "hetpipe":
+    return lambda: sp.sync.wsp(D, clock_distance=1, concurrent_minibatches=2)
+  return lambda: None
+
+
+def _windows(num, mb, columns, seed=0):
+  rng = np.random.default_rng(seed)
+  return [(rng.normal(size=(B, mb, 2 * columns, 8)).astype(np.float32),
+           rng.integers(0, 4, size=(B, mb, 2 * columns)).astype(np.int32))
+          for _ in range(num)]
+
+
+def _compare(name, shape, rule, sync=None, scope="auto", hidden=16,
+             windows=3):
+  """The executor on mesh `shape` and the oracle: equal losses every window
+  and equal weights after a drain; returns the executor."""
+  D, P, F = shape
+  schedule = _schedule(name, P)
+  sync = sync or _sync(name, D)
+  staged = sp.models.split(sp.models.mlp(8, hidden, S - 1, 4, seed=3), S)
+  mesh = jax.make_mesh(shape, ("data", "stage", "fsdp"),
+                       devices=jax.devices()[:D * P * F])
+  pipe = executor.Pipeline(staged.stage_fns, cross_entropy, schedule,
+                           RULES[rule](), mesh, sync=sync(),
+                           optimizer_scope=scope)
+  oracle = reference.Pipeline(staged.stage_fns, cross_entropy, schedule,
+                              RULES[rule](), num_replicas=D, sync=sync(),
+                              optimizer_scope=scope)
+  got, want = pipe.init(staged.stage_params), oracle.init(staged.stage_params)
+  for x, y in _windows(windows, schedule.num_microbatches, D * F):
+    got, m = pipe.step(got, x, y)
+    want, n = oracle.step(want, x, y)
+    np.testing.assert_allclose(float(m["loss"]), float(n["loss"]), rtol=1e-5)
+  got, want = pipe.drain(got)[0], oracle.drain(want)[0]
+  for replica in range(D):
+    for a, b in zip(jax.tree.leaves(pipe.params(got, replica)),
+                    jax.tree.leaves(oracle.params(want, replica)),
+                    strict=True):
+      np.testing.assert_allclose(a, b, atol=ATOL, rtol=RTOL)
+  np.testing.assert_array_equal(pipe.updates_applied(got),
+                                np.full((D, S), windows * B))
+  ev = pipe.evaluate(got, x, y)
+  np.testing.assert_allclose(float(ev["loss"]),
+                             float(oracle.evaluate(want, x, y)["loss"]),
+                             rtol=1e-5)
+  return pipe
+
+
+def test_cut_and_merge_are_numpys_split_and_concatenate():
+  rng = np.random.default_rng(0)
+  tree = jax.tree.map(lambda v: np.asarray(v, np.float32), {
+      "w": rng.normal(size=(6, 8)), "b": rng.normal(size=(8,)),
+      "odd": rng.normal(size=(3, 5)), "n": 2.0})
+  shards = fsdp.Shards([tree], 4)
+  assert shards.dims[0] == [0, None, None, 1]  # b, n, odd, w (sorted keys)
+  assert shards.replicated == ["stage 0: odd (3, 5)"]
+  parts = shards.parts(0, tree)
+  np.testing.assert_array_equal(parts[2]["w"], np.split(tree["w"], 4, 1)[2])
+  np.testing.assert_array_equal(parts[3]["b"], np.split(tree["b"], 4)[3])
+  np.testing.assert_array_equal(parts[1]["odd"], tree["odd"])
+  merged = shards.merge(0, [jax.tree.map(np.asarray, p) for p in parts])
+  for a, b in zip(jax.tree.leaves(merged), jax.tree.leaves(tree)):
+    np.testing.assert_array_equal(a, b)
+  traced = jax.jit(lambda t, i: shards.cut(0, t, i))(tree, 3)
+  np.testing.assert_array_equal(traced["w"], parts[3]["w"])
+
+
+def test_a_rule_picks_the_dimension_and_a_bad_one_is_refused():
+  tree = {"w": np.zeros((8, 4))}
+  rows = fsdp.Shards([tree], 2, rule=lambda name, shape, size: 1)
+  assert rows.dims == [[1]]
+  like = fsdp.Shards([{"mu": tree, "count": np.int32(0)}], 2, like=rows)
+  assert like.dims == [[None, 1]]  # the state's `mu.w` is cut as `w`
+  with pytest.raises(ValueError, match="fsdp dimension 0 .* is invalid"):
+    fsdp.Shards([{"w": np.zeros((3, 4))}], 2, rule=lambda *_: 0)
+
+
+@pytest.mark.parametrize("rule,expected", [
+    ("sgd", True), ("adamw", True), ("clip_adamw", False), ("full_dc", False)])
+def test_elementwise_rules_are_told_from_whole_tree_ones(rule, expected):
+  assert fsdp.elementwise(RULES[rule]()) is expected
+  assert fsdp.elementwise(sp.optim.delay_compensation(0.5)) is True
+  assert fsdp.elementwise(optax.contrib.muon(1e-3)) is False
+
+
+_FAST = {("1f1b", (2, 2, 2), "adamw"), ("pipedream", (1, 2, 4), "sgd"),
+         ("gpipe", (1, 1, 8), "clip_adamw"), ("zb-h1", (1, 2, 4), "full_dc")}
+_CASES = [(name, shape, rule)
+          for name in ("gpipe", "1f1b", "pipedream", "2bw", "zb-h1",
+                       "hetpipe", "interleaved-1f1b")
+          for shape in ((2, 2, 2), (1, 2, 4), (1, 1, 8))
+          for rule in RULES]
+
+
+def _scope(name, rule):
+  """Whole-model rules run at the model scope where the schedule can;
+  on an asynchronous schedule on each stage's own tree (still gathered
+  over 'fsdp': the stage's numbers)."""
+  if rule in ("clip_adamw", "full_dc") and name in ("pipedream", "2bw",
+                                                    "hetpipe"):
+    return "stage"
+  return "auto"
+
+
+@pytest.mark.parametrize("name,shape,rule", [
+    case if case in _FAST else pytest.param(*case, marks=pytest.mark.slow)
+    for case in _CASES])
+def test_sharded_stages_equal_the_oracle(name, shape, rule):
+  pipe = _compare(name, shape, rule, scope=_scope(name, rule))
+  assert pipe.fsdp == shape[2]
+
+
+@pytest.mark.parametrize("policy", [
+    "bsp", "local_sgd", pytest.param("sdpipe", marks=pytest.mark.slow),
+    pytest.param("ad_psgd", marks=pytest.mark.slow)])
+def test_sync_policies_reduce_shard_by_shard(policy):
+  """Local SGD averages no gradient: a gradient summed over 'data' by the
+  sharding (the pitfall of a parameter whose spec omits 'data') would make
+  its replicas equal the BSP run and differ from the oracle's."""
+  make = {"bsp": lambda: sp.sync.bsp(2),
+          "local_sgd": lambda: sp.sync.local_sgd(2, period=3),
+          "sdpipe": lambda: sp.sync.sdpipe(2),
+          "ad_psgd": lambda: sp.sync.ad_psgd(2, seed=1)}[policy]
+  _compare("pipedream", (2, 2, 2), "adamw", sync=make)
+
+
+def test_a_leaf_no_dimension_of_which_divides_is_held_whole_and_named():
+  pipe = _compare("1f1b", (1, 2, 4), "adamw", hidden=6, windows=2)
+  assert any("(6,)" in leaf for leaf in pipe.replicated_leaves)
+
+
+def test_each_member_holds_a_part_of_the_rings_and_optimizer_state():
+  staged = sp.models.split(sp.models.mlp(8, 32, S - 1, 4), S)
+  schedule = sp.schedules.make("pipedream", num_stages=S, num_microbatches=1,
+                               num_minibatches=B)
+  sizes = {}
+  for F in (1, 2, 4):
+    mesh = jax.make_mesh((1, 2, F), ("data", "stage", "fsdp"),
+                         devices=jax.devices()[:2 * F])
+    pipe = executor.Pipeline(staged.stage_fns, cross_entropy, schedule,
+                             optax.adam(1e-3), mesh)
+    state = pipe.init(staged.stage_params)
+    per_device = lambda tree: sum(  # pylint: disable=unnecessary-lambda-assignment
+        v.addressable_shards[0].data.nbytes for v in jax.tree.leaves(tree))
+    sizes[F] = (per_device([r.params for r in state.ring]),
+                per_device(state.opt_state), per_device(state.grads))
+  for F in (2, 4):
+    for whole, part in zip(sizes[1], sizes[F]):
+      assert part * F <= whole * 1.05, sizes  # 4-byte counts aside
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"remat": "residuals"}, "remat='residuals' on a stage sharded"),
+    ({"optimizer": sp.optim.WeightPrediction(optax.sgd(0.1, 0.9), option=1)}, "weight prediction"),
+])
+def test_what_a_sharded_stage_does_not_run_is_refused(kwargs, match):
+  staged = sp.models.split(sp.models.mlp(8, 16, S - 1, 4), S)
+  mesh = jax.make_mesh((1, 2, 2), ("data", "stage", "fsdp"),
+                       devices=jax.devices()[:4])
+  args = {"optimizer": optax.sgd(0.1)} | kwargs
+  optimizer = args.pop("optimizer")
+  with pytest.raises(ValueError, match=match):
+    executor.Pipeline(staged.stage_fns, cross_entropy,
+                      sp.schedules.make("1f1b", num_stages=S,
+                                        num_microbatches=M),
+                      optimizer, mesh, **args)
+
+
+def test_a_mesh_with_other_axes_is_refused():
+  mesh = jax.make_mesh((2, 2, 2), ("data", "fsdp", "stage"))
+  staged = sp.models.split(sp.models.mlp(8, 16, 1, 4), 2)
+  with pytest.raises(ValueError, match="mesh axes .* are invalid"):
+    executor.Pipeline(staged.stage_fns, cross_entropy,
+                      sp.schedules.make("1f1b", num_stages=2,
+                                        num_microbatches=2),
+                      optax.sgd(0.1), mesh)
