@@ -88,6 +88,15 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # (stalepipe.pipeline.placement: "consecutive", "loop" or "v"); the
   # trained weights are the same whatever the folding, to float rounding.
   config.stage_devices = 0
+  # Devices each stage is sharded over (a third mesh axis 'fsdp',
+  # stalepipe.pipeline.fsdp): weights, every stashed version, gradient
+  # accumulator and optimizer state cut per leaf; each device takes
+  # microbatch_size / fsdp examples of a micro-batch. 1: a stage a device.
+  config.fsdp = 1
+  # The memory a device may give the state (weights with every stashed
+  # version, optimizer state, accumulator), in MiB; a run that needs more is
+  # refused before it starts, naming fsdp. 0: no limit.
+  config.device_memory_mib = 0.0
   config.placement = "consecutive"
   # "recompute": a backward task recomputes its forward from the kept input;
   # "residuals": the forward keeps its jax.vjp residuals (more memory).

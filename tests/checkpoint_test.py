@@ -83,11 +83,15 @@ CASES = {
     "pipedream": lambda: tiny(schedule="pipedream"),
     "hetpipe_wsp": lambda: tiny(hetpipe_wsp, num_microbatches=1,
                                 microbatch_size=8),
+    # each stage sharded over 2 devices: rings, stashes and optimizer state
+    # saved as the members' parts, on a (2, 2, 2) mesh
+    "pipedream_fsdp": lambda: tiny(schedule="pipedream", fsdp=2),
 }
 
 
 @pytest.mark.slow  # subprocesses, about 10 s each
-@pytest.mark.parametrize("name", ["gpipe", "pipedream", "hetpipe_wsp"])
+@pytest.mark.parametrize("name", ["gpipe", "pipedream", "hetpipe_wsp",
+                                  "pipedream_fsdp"])
 def test_sigterm_then_resume_equals_straight_run(tmp_path, name):
   straight, stopped = tmp_path / "straight", tmp_path / "stopped"
   trainer.train_and_evaluate(CASES[name](), str(straight))

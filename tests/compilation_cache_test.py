@@ -46,23 +46,25 @@ def persistent_cache(tmp_path):
   jax.monitoring.unregister_event_listener(listener)
 
 
-def _run(name, D, P, S, sync):
+def _run(name, D, P, S, sync, F=1, optimizer=lambda: optax.sgd(0.5)):
   """Three windows of a new Pipeline (so a new jitted step, which the
-  persistent cache serves where it holds it): every leaf of the state."""
+  persistent cache serves where it holds it): every leaf of the state. F >
+  1: each stage sharded over 'fsdp' (its gathers and reduce-scatters)."""
   M = S if name == "1f1b" else 2
   schedule = sp.schedules.make(name, num_stages=S, num_microbatches=M,
                                num_minibatches=2)
   staged = sp.models.split(sp.models.mlp(8, 6, S - 1, 4, seed=S), S)
-  mesh = jax.make_mesh((D, P), ("data", "stage"),
-                       devices=jax.devices()[:D * P])
+  shape, axes = ((D, P, F), ("data", "stage", "fsdp")) if F > 1 else (
+      (D, P), ("data", "stage"))
+  mesh = jax.make_mesh(shape, axes, devices=jax.devices()[:D * P * F])
   pipe = executor.Pipeline(staged.stage_fns, cross_entropy, schedule,
-                           optax.sgd(0.5), mesh,
+                           optimizer(), mesh,
                            sync=sync() if sync else None)
   state = pipe.init(staged.stage_params)
   rng = np.random.default_rng(0)
   for _ in range(3):
-    x = rng.normal(size=(2, M, 2 * D, 8)).astype(np.float32)
-    y = rng.integers(0, 4, size=(2, M, 2 * D)).astype(np.int32)
+    x = rng.normal(size=(2, M, 2 * D * F, 8)).astype(np.float32)
+    y = rng.integers(0, 4, size=(2, M, 2 * D * F)).astype(np.int32)
     state, _ = pipe.step(state, x, y)
   return [np.asarray(leaf) for leaf in jax.tree.leaves(state)]
 
@@ -75,6 +77,12 @@ _CASES = {
     "pipedream_folded": ("pipedream", 1, 2, 4, None),
     "pipedream_one_device": ("pipedream", 1, 1, 4, None),
     "1f1b_folded_replicas": ("1f1b", 2, 2, 4, None),
+    # a task's all-gather and its gradient's reduce-scatter over 'fsdp'
+    "pipedream_fsdp": ("pipedream", 1, 2, 4, None, 2),
+    # the whole-model update's gathers over 'fsdp' and 'stage' (under the
+    # update's cond)
+    "1f1b_fsdp_model_scope": ("1f1b", 2, 2, 4, None, 2, lambda: optax.chain(
+        optax.clip_by_global_norm(0.1), optax.adam(0.01))),
 }
 
 
@@ -82,7 +90,9 @@ _CASES = {
     "pipedream_folded",
     pytest.param("hetpipe_wsp", marks=pytest.mark.slow),
     pytest.param("pipedream_one_device", marks=pytest.mark.slow),
-    pytest.param("1f1b_folded_replicas", marks=pytest.mark.slow)])
+    pytest.param("1f1b_folded_replicas", marks=pytest.mark.slow),
+    pytest.param("pipedream_fsdp", marks=pytest.mark.slow),
+    pytest.param("1f1b_fsdp_model_scope", marks=pytest.mark.slow)])
 def test_step_from_the_persistent_cache_equals_a_fresh_compile(
     persistent_cache, case):
   fresh = _run(*_CASES[case])

@@ -33,15 +33,17 @@ RULES = {
 }
 
 
-def _schedule(name, P):
+def _schedule(name, P, minibatches=B):
   if name == "hetpipe":
     return sp.schedules.make(name, num_stages=S, num_microbatches=1,
-                             num_minibatches=B, concurrent_minibatches=2)
+                             num_minibatches=minibatches,
+                             concurrent_minibatches=2)
   if name == "interleaved-1f1b":
     return sp.schedules.make(name, num_stages=S, num_microbatches=M,
-                             num_minibatches=B, num_devices=max(P, 2))
+                             num_minibatches=minibatches,
+                             num_devices=max(P, 2))
   return sp.schedules.make(name, num_stages=S, num_microbatches=M,
-                           num_minibatches=B)
+                           num_minibatches=minibatches)
 
 
 def _sync(name, D):
@@ -50,31 +52,34 @@ def _sync(name, D):
   return lambda: None
 
 
-def _windows(num, mb, columns, seed=0):
+def _windows(num, minibatches, mb, columns, seed=0):
   rng = np.random.default_rng(seed)
-  return [(rng.normal(size=(B, mb, 2 * columns, 8)).astype(np.float32),
-           rng.integers(0, 4, size=(B, mb, 2 * columns)).astype(np.int32))
+  shape = (minibatches, mb, 2 * columns)
+  return [(rng.normal(size=shape + (8,)).astype(np.float32),
+           rng.integers(0, 4, size=shape).astype(np.int32))
           for _ in range(num)]
 
 
 def _compare(name, shape, rule, sync=None, scope="auto", hidden=16,
-             windows=3):
-  """The executor on mesh `shape` and the oracle: equal losses every window
-  and equal weights after a drain; returns the executor."""
+             windows=3, minibatches=B, **kwargs):
+  """The executor on mesh `shape` (`kwargs`: more of its arguments) and the
+  oracle: equal losses every window and equal weights after a drain;
+  returns the executor."""
   D, P, F = shape
-  schedule = _schedule(name, P)
+  schedule = _schedule(name, P, minibatches)
   sync = sync or _sync(name, D)
-  staged = sp.models.split(sp.models.mlp(8, hidden, S - 1, 4, seed=3), S)
+  staged = _model(hidden)
   mesh = jax.make_mesh(shape, ("data", "stage", "fsdp"),
                        devices=jax.devices()[:D * P * F])
   pipe = executor.Pipeline(staged.stage_fns, cross_entropy, schedule,
                            RULES[rule](), mesh, sync=sync(),
-                           optimizer_scope=scope)
+                           optimizer_scope=scope, **kwargs)
   oracle = reference.Pipeline(staged.stage_fns, cross_entropy, schedule,
                               RULES[rule](), num_replicas=D, sync=sync(),
                               optimizer_scope=scope)
   got, want = pipe.init(staged.stage_params), oracle.init(staged.stage_params)
-  for x, y in _windows(windows, schedule.num_microbatches, D * F):
+  for x, y in _windows(windows, minibatches, schedule.num_microbatches,
+                       D * F):
     got, m = pipe.step(got, x, y)
     want, n = oracle.step(want, x, y)
     np.testing.assert_allclose(float(m["loss"]), float(n["loss"]), rtol=1e-5)
@@ -85,7 +90,7 @@ def _compare(name, shape, rule, sync=None, scope="auto", hidden=16,
                     strict=True):
       np.testing.assert_allclose(a, b, atol=ATOL, rtol=RTOL)
   np.testing.assert_array_equal(pipe.updates_applied(got),
-                                np.full((D, S), windows * B))
+                                np.full((D, S), windows * minibatches))
   ev = pipe.evaluate(got, x, y)
   np.testing.assert_allclose(float(ev["loss"]),
                              float(oracle.evaluate(want, x, y)["loss"]),
@@ -221,3 +226,29 @@ def test_a_mesh_with_other_axes_is_refused():
                       sp.schedules.make("1f1b", num_stages=2,
                                         num_microbatches=2),
                       optax.sgd(0.1), mesh)
+
+
+@pytest.mark.parametrize("name,rule", [
+    ("1f1b", "adamw"), pytest.param("zb-h1", "clip_adamw",
+                                    marks=pytest.mark.slow)])
+def test_a_version_gathered_once_a_window_trains_the_same(name, rule):
+  """MaxText's `ag_once`: one all-gather a slot a window, not a tick."""
+  pipe = _compare(name, (1, 2, 4), rule, minibatches=1, windows=4,
+                  fsdp_gather="window")
+  assert pipe.fsdp_gather == "window"
+
+
+@pytest.mark.parametrize("name,minibatches", [("gpipe", 2), ("pipedream", 1)])
+def test_a_window_gather_where_an_update_lands_inside_is_refused(
+    name, minibatches):
+  mesh = jax.make_mesh((1, 2, 2), ("data", "stage", "fsdp"),
+                       devices=jax.devices()[:4])
+  staged = _model()
+  with pytest.raises(ValueError, match="fsdp_gather='window' on schedule"):
+    executor.Pipeline(staged.stage_fns, cross_entropy,
+                      _schedule(name, 2, minibatches), optax.sgd(0.1), mesh,
+                      fsdp_gather="window")
+
+
+def _model(hidden=16):
+  return sp.models.split(sp.models.mlp(8, hidden, S - 1, 4, seed=3), S)

@@ -108,6 +108,9 @@ def run_window(ctx: tick_lib.Stages, state: PipelineState, inputs, targets,
       stage_state=at(state.stage_state, j),
       outbox=tick_lib.empty_outbox(ctx))
                   for j in range(ctx.placement.num_slots))
+  if ctx.gather_once:  # every task of the window reads this version
+    window = window._replace(once=tuple(
+        fsdp_lib.gather(tick_lib.read_version(c.ring, 0)) for c in carries))
   table = tick_lib.with_closing_tick(jax.tree.map(
       lambda c: jax.lax.dynamic_index_in_dim(c, jnp.minimum(step, K - 1),
                                              keepdims=False), tables))
@@ -158,7 +161,7 @@ def process_slice(x, mesh: Mesh, process_index: int | None = None):
   process = jax.process_index() if process_index is None else process_index
   D = mesh.shape[DATA]
   mine = [r for r, row in enumerate(mesh.devices)
-          if any(d.process_index == process for d in row)]
+          if any(d.process_index == process for d in row.flat)]
   if not mine or mine != list(range(mine[0], mine[-1] + 1)):
     raise ValueError(f"process {process}'s data replicas {mine} are invalid; "
                      "valid: a non-empty run of consecutive replicas")
@@ -195,7 +198,10 @@ class Pipeline:
     mesh: a mesh with axes ('data', 'stage'); its 'stage' size P must
       divide S: each device runs S/P stages (`placement`) in every tick,
       with the same numerics whatever P (one device runs the whole
-      pipeline).
+      pipeline). A third axis 'fsdp' of F devices shards each stage over
+      F (`fsdp.py`: its weights, stash, accumulator and optimizer state cut
+      per leaf, each device taking 1/F of a micro-batch), with the
+      numbers of the unsharded run.
     sync: what crosses the 'data' axis (`stalepipe.sync`); default BSP.
     lowering: how a tick dispatches each stage's task (`dispatch.LOWERINGS`).
     remat: "recompute" (a backward task recomputes the forward from the kept
@@ -228,6 +234,13 @@ class Pipeline:
       tied=)`: a head tied to the embedding); their gradients are summed
       over those stages and one update applied on every copy
       (`scope.join`), with optimizer_scope "model" (or "auto").
+    fsdp_rule: on a mesh ('data', 'stage', 'fsdp') of F > 1 devices a
+      stage: `rule(name, shape, F) -> dim or None`, the dimension each
+      weight leaf is cut along (`fsdp.py`; default its largest dimension F
+      divides; None: held whole by every member).
+    fsdp_gather: "task" (each task all-gathers the version it reads) or
+      "window" (each slot's version gathered once a window, where every
+      task of it reads that one: `fsdp.check_gather`).
 
   Examples:
     >>> import jax, optax, stalepipe as sp
@@ -247,7 +260,8 @@ class Pipeline:
                lowering: str = "nested_switch", remat: str = "recompute",
                layout: str = "packed", optimizer_scope: str = "auto",
                seed: int = 0, placement: str | None = None,
-               tied: Sequence[str] = (), fsdp_rule: fsdp_lib.Rule | None = None):
+               tied: Sequence[str] = (), fsdp_rule: fsdp_lib.Rule | None = None,
+               fsdp_gather: str = "task"):
     if tuple(mesh.axis_names) not in ((DATA, STAGE), (DATA, STAGE, FSDP)):
       raise ValueError(f"mesh axes {tuple(mesh.axis_names)} are invalid; "
                        f"valid: ({DATA!r}, {STAGE!r}) or ({DATA!r}, "
@@ -270,6 +284,8 @@ class Pipeline:
     self.seed = seed
     self._fns, self._state_fns, self._wants = stage_lib.bind_all(stage_fns)
     fsdp_lib.check(self.fsdp, remat, optimizer, self._wants, self.tied)
+    fsdp_lib.check_gather(fsdp_gather, schedule, self.fsdp)
+    self.fsdp_gather = fsdp_gather
     sharded = self.fsdp > 1
     self._device_spec = P(DATA, STAGE, FSDP) if sharded else _PER_DEVICE
     self._window_spec = P(None, None, (DATA, FSDP)) if sharded else _WINDOW
@@ -318,11 +334,25 @@ class Pipeline:
     arrays) as mesh-wide arrays (each process passes its own replicas'
     slice)."""
     sharding = NamedSharding(self.mesh, self._window_spec)
+    replicas = sorted({c // self.fsdp for c in self._local_columns()})
 
     def put(v):
       if isinstance(v, jax.Array) and v.sharding == sharding:
         return v
-      return jax.make_array_from_process_local_data(sharding, np.asarray(v))
+      if self.fsdp == 1:
+        return jax.make_array_from_process_local_data(sharding, np.asarray(v))
+      # A process may hold only some of a replica's members (an 'fsdp' axis
+      # across processes): each device gets its columns of its replica.
+      v = np.asarray(v)
+      b = v.shape[2] // len(replicas)
+      shape = v.shape[:2] + (self.num_replicas * b,) + v.shape[3:]
+      arrays = []
+      for device, index in sharding.addressable_devices_indices_map(
+          shape).items():
+        start, stop, _ = index[2].indices(shape[2])
+        at = replicas.index(start // b) * b + start % b
+        arrays.append(jax.device_put(v[:, :, at:at + stop - start], device))
+      return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
 
     return jax.tree.map(put, x)
 
@@ -366,6 +396,30 @@ class Pipeline:
     for j, block in enumerate(blocks):
       rows[:, self.placement.stages[:, j]] = block
     return rows
+
+  def state_bytes(self, stage_params: Sequence[Any]) -> dict[str, int]:
+    """Bytes one device holds of the state's weights and their stashed
+    versions (`weights`: every slot of its rings), optimizer state and
+    gradient accumulator, the most over the devices, and their `total`:
+    from the layouts alone (shapes; nothing is placed or initialised), so a
+    run can be checked against a device's memory before it starts. On a
+    sharded stage, a member's parts (`fsdp.py`)."""
+    shapes = jax.tree.map(
+        lambda v: jax.ShapeDtypeStruct(np.shape(v), jnp.dtype(v.dtype)),
+        tuple(stage_params))
+    opt = jax.eval_shape(lambda p: scope_lib.init_states(
+        self.optimizer, self.optimizer_scope, p, self.tied), shapes)
+    if self.fsdp > 1:
+      params = fsdp_lib.Shards(shapes, self.fsdp, self.fsdp_rule)
+      shapes, opt = params.trees, fsdp_lib.Shards(
+          opt, self.fsdp, self.fsdp_rule, like=params).trees
+    row, opt_row = self.layout(shapes).row_bytes, self.layout(opt).row_bytes
+    versions = max(sum(self.program.ring_sizes[s] for s in stages)
+                   for stages in self.placement.stages)
+    slots = self.placement.num_slots
+    out = {"weights": versions * row, "optimizer": slots * opt_row,
+           "accumulator": slots * row}
+    return out | {"total": sum(out.values())}
 
   def init(self, stage_params: Sequence[Any],
            stage_states: Sequence[Any] | None = None) -> PipelineState:
@@ -509,7 +563,7 @@ class Pipeline:
       raise ValueError("step() before init(); valid: state = pipe.init("
                        "stage_params), then pipe.step(state, ...)")
     B, M = self.schedule.num_minibatches, self.schedule.num_microbatches
-    local_replicas = len(self._local_columns())
+    local_replicas = len({c // self.fsdp for c in self._local_columns()})
     for name, tree in (("inputs", inputs), ("targets", targets)):
       shapes = [np.shape(v) for v in jax.tree.leaves(tree)]
       for shape in shapes:
@@ -759,7 +813,8 @@ class Pipeline:
         wants=self._wants, seed=self.seed,
         whole_model=self.optimizer_scope == "model",
         states=self._state_packing, objective=objective,
-        placement=self.placement, tied=self.tied, sharded=self._sharded)
+        placement=self.placement, tied=self.tied, sharded=self._sharded,
+        gather_once=self.fsdp_gather == "window")
 
   def _bound_input(self, s: int, x):
     """Stage s's input `x` (shapes) as its bound function takes it

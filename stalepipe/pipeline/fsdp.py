@@ -264,3 +264,39 @@ def check(size: int, remat: str, optimizer, wants, tied) -> None:
   if tied:
     raise ValueError(f"tied parameters {sorted(tied)} on {where} are not "
                      "supported; valid: no tied parameters, or fsdp=1")
+
+
+GATHERS = ("task", "window")
+
+
+def check_gather(gather: str, schedule, size: int) -> None:
+  """`gather` is "task" (each task gathers the version it reads: one
+  all-gather a slot a tick, one whole version in flight) or "window"
+  (MaxText's `pipeline_fsdp_ag_once`: each slot gathers its stage's latest
+  version once before the window's ticks and every task reads it: 1/T of
+  the traffic, the whole version held through the window). "window" only
+  where every task of a window reads the version its stage had when the
+  window began, checked on the schedule's version map over 4 windows: a
+  flush schedule of one minibatch a window (gpipe, 1f1b, zb-h1, ...).
+
+  Raises:
+    ValueError: in one line, naming the value and what is valid.
+  """
+  if gather not in GATHERS:
+    raise ValueError(f"fsdp_gather={gather!r} is invalid; valid: "
+                     f"{', '.join(GATHERS)}")
+  if gather == "task":
+    return
+  if size == 1:
+    raise ValueError("fsdp_gather='window' is for a stage sharded over "
+                     "'fsdp'; valid: 'task' with fsdp=1, or fsdp > 1")
+  B = schedule.num_minibatches
+  stream = schedule.with_minibatches(4 * B)
+  for t in stream.tasks:
+    if stream.version(t.minibatch, t.stage, t.kind) != t.minibatch // B * B:
+      raise ValueError(
+          f"fsdp_gather='window' on schedule {schedule.name!r} would serve "
+          f"minibatch {t.minibatch}'s {t.kind} on stage {t.stage} a version "
+          "other than the one it reads (an update lands inside the window); "
+          "valid: fsdp_gather='task', or a flush schedule with one "
+          "minibatch a window")

@@ -86,6 +86,8 @@ class Stages(NamedTuple):
   #   (`scope.join`: their gradients summed, one update on every copy)
   sharded: fsdp.Sharded | None = None  # each stage cut over 'fsdp'
   #   (`fsdp.py`); None: a stage on one device
+  gather_once: bool = False  # a sharded stage's version gathered once a
+  #   window (`fsdp.check_gather`), else once a task
 
   @property
   def lead(self) -> int:
@@ -122,6 +124,8 @@ class Window(NamedTuple):
   #   slot running: what dispatch chooses from, by `device`
   gathered: Any = None  # sharded stage: the slot's version its task reads,
   #   all-gathered over 'fsdp', dtype -> [F, L] (`fsdp.gather`)
+  once: tuple = ()  # with `gather_once`: every slot's version, gathered
+  #   before the window's first tick
 
 
 def at_slot(ctx: Stages, window: Window, j: int) -> Window:
@@ -860,7 +864,8 @@ def tick(ctx: Stages, window: Window, carries: tuple, xs):
             for w in windows]
   carries = receive(ctx, list(carries), previous, windows, window.device)
   if ctx.sharded is not None:  # each slot's version, gathered before its task
-    windows = [w._replace(gathered=fsdp.gather(read_version(c.ring, i.lag)))
-               for w, c, i in zip(windows, carries, instrs)]
+    windows = [w._replace(gathered=window.once[j] if ctx.gather_once
+                          else fsdp.gather(read_version(c.ring, i.lag)))
+               for j, (w, c, i) in enumerate(zip(windows, carries, instrs))]
   done = [run_slot(ctx, c, i, w) for w, c, i in zip(windows, carries, instrs)]
   return apply_updates(ctx, windows, done, instrs), None

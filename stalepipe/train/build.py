@@ -77,15 +77,20 @@ class Parts(NamedTuple):
         c.microbatch_size, c.seed)
 
 
-def make_mesh(num_replicas: int, num_stages: int) -> jax.sharding.Mesh:
+def make_mesh(num_replicas: int, num_stages: int,
+              fsdp: int = 1) -> jax.sharding.Mesh:
   """A ('data', 'stage') mesh over the first D * S devices of all processes
-  (`num_stages`: the devices on 'stage', `stage_devices` where folded)."""
+  (`num_stages`: the devices on 'stage', `stage_devices` where folded); with
+  `fsdp` > 1 a ('data', 'stage', 'fsdp') mesh of D * S * F devices, each
+  stage sharded over F (`pipeline/fsdp.py`)."""
   devices = jax.devices()
-  need = num_replicas * num_stages
+  need = num_replicas * num_stages * fsdp
   if need > len(devices):
+    product = f"{num_replicas} x {num_stages}" + (
+        f" x {fsdp}" if fsdp > 1 else "")
     raise ValueError(
-        f"mesh num_replicas x stage devices = {num_replicas} x {num_stages} = "
-        f"{need} devices does not fit the {len(devices)} "
+        f"mesh num_replicas x stage devices{' x fsdp' if fsdp > 1 else ''} = "
+        f"{product} = {need} devices does not fit the {len(devices)} "
         f"{devices[0].platform.upper()} devices here; valid: at most "
         f"{len(devices)}")
   if jax.process_count() > 1 and need != len(devices):
@@ -93,6 +98,10 @@ def make_mesh(num_replicas: int, num_stages: int) -> jax.sharding.Mesh:
         f"mesh num_replicas x stage devices = {need} devices leaves some of the "
         f"{jax.process_count()} processes without a device; valid: exactly "
         f"{len(devices)} (all devices of all processes)")
+  if fsdp > 1:
+    return jax.make_mesh((num_replicas, num_stages, fsdp),
+                         (executor.DATA, executor.STAGE, executor.FSDP),
+                         devices=devices[:need])
   return jax.make_mesh((num_replicas, num_stages),
                        (executor.DATA, executor.STAGE), devices=devices[:need])
 
@@ -101,7 +110,7 @@ def _shards(config, mesh) -> tuple[list[input_pipeline.Shard], Any]:
   """The data replicas whose devices this process holds, and one dataset."""
   D = config.num_replicas
   local = [r for r in range(D) if any(
-      d.process_index == jax.process_index() for d in mesh.devices[r])]
+      d.process_index == jax.process_index() for d in mesh.devices[r].flat)]
   shards, ds = [], None
   for r in local:
     ds = input_pipeline.load(config.dataset, dict(config.dataset_kwargs), r, D,
@@ -195,6 +204,27 @@ def _schedule(config) -> Schedule:
   return schedule
 
 
+def _check_state_memory(config, pipeline: executor.Pipeline,
+                        stage_params) -> None:
+  """The state a device holds (weights and every stashed version,
+  optimizer state, accumulator: `Pipeline.state_bytes`) fits
+  `device_memory_mib` (0: no limit): arithmetic on the layouts, so a run
+  that would not fit is refused before it places anything."""
+  limit = config.get("device_memory_mib", 0)
+  if not limit:
+    return
+  need = pipeline.state_bytes(stage_params)
+  if need["total"] > limit * 2**20:
+    mib = {k: v / 2**20 for k, v in need.items()}
+    raise ValueError(
+        f"the state takes {mib['total']:.2f} MiB a device (weights and their "
+        f"stash {mib['weights']:.2f}, optimizer state {mib['optimizer']:.2f}, "
+        f"accumulator {mib['accumulator']:.2f}), over device_memory_mib="
+        f"{limit}; valid: a larger fsdp (each stage sharded over more "
+        f"devices; now {config.get('fsdp', 1)}), more stage_devices, or "
+        f"device_memory_mib >= {mib['total']:.2f}")
+
+
 def parts(config: ml_collections.ConfigDict) -> Parts:
   """Checks `config` by building every part it names; one line if one fails.
 
@@ -203,7 +233,7 @@ def parts(config: ml_collections.ConfigDict) -> Parts:
   """
   validate.check(config)
   D, S = config.num_replicas, config.num_stages
-  mesh = make_mesh(D, validate.stage_devices(config))
+  mesh = make_mesh(D, validate.stage_devices(config), config.get("fsdp", 1))
   shards, ds = _shards(config, mesh)
   _check_window(config, shards)  # before the schedule and the pipeline
   blocks = models.make(config.model, seed=config.seed, **config.model_kwargs,
@@ -223,6 +253,7 @@ def parts(config: ml_collections.ConfigDict) -> Parts:
       optimizer_scope=config.get("optimizer_scope", "auto"),
       placement=config.get("placement", "consecutive"))  # a device-level
   #   schedule refuses any but its own (`placement.for_schedule`)
+  _check_state_memory(config, pipeline, staged.stage_params)
   run = Parts(config, mesh, shards, (ds.x_test, ds.y_test), staged, loss_fn,
               schedule, pipeline, _hook_factories(config))
   run.batch(0)  # a window that does not fit the data fails here

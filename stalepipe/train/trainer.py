@@ -185,6 +185,10 @@ def _train(parts: build.Parts, workdir: str,
       _check_finished_config(workdir, config_dict)
       return dict(finished, already_finished=True)
     state, first = _restore(parts, ckpt, config_dict, console)
+    if pipe.replicated_leaves:
+      console.print("held whole by every fsdp device (no dimension divisible "
+                    f"by fsdp={pipe.fsdp}): "
+                    + ", ".join(pipe.replicated_leaves))
     configured = _configured_hooks(parts, workdir)  # before anything is written
     if is_writer:  # whole or not at all, as every file the run writes
       _write_atomically(os.path.join(workdir, "config.json"),

@@ -62,6 +62,8 @@ TOP_LEVEL = {
     "keep_checkpoints": _POSITIVE_INT,
     "plots": _BOOL,
     "num_chunks": _POSITIVE_INT,
+    "fsdp": _POSITIVE_INT,
+    "device_memory_mib": (_NON_NEGATIVE[0], "a number >= 0 (0: no limit)"),
 }
 SCHEDULE_KWARGS = {"concurrent_minibatches": _POSITIVE_INT,
                    "vertical_sync": _BOOL}
@@ -306,6 +308,16 @@ def _check_placement(config) -> None:
           f", placement={name!r}), or 0 for num_stages")
 
 
+def _check_fsdp(config) -> None:
+  """`fsdp` (devices a stage is sharded over, `pipeline/fsdp.py`) divides
+  each data replica's micro-batch, which its members split."""
+  F = config.get("fsdp", 1)
+  if F > 1 and config.microbatch_size % F:
+    _fail("fsdp", F, f"a divisor of microbatch_size={config.microbatch_size} "
+          "(each of a stage's fsdp devices takes an equal part of a "
+          "micro-batch)")
+
+
 def _check_optimizer_scope(config) -> None:
   if "optimizer_scope" in config:
     _check_range("optimizer_scope", config.optimizer_scope,
@@ -353,3 +365,4 @@ def check(config) -> None:
   _check_remat(config)
   _check_optimizer_scope(config)
   _check_placement(config)
+  _check_fsdp(config)
