@@ -74,6 +74,34 @@ def test_two_processes_match_one_also_across_a_resume(tmp_path):
   assert two["test_loss"] == pytest.approx(one["test_loss"], rel=1e-6)
 
 
+FSDP_ACROSS = ("--config.num_replicas=1", "--config.stage_devices=1",
+               "--config.fsdp=8")  # the 4 stages on one 'stage' device,
+#   sharded over all 8 devices: 4 of each process
+
+
+@pytest.mark.slow
+def test_an_fsdp_axis_across_two_processes_trains_what_one_does(tmp_path):
+  """Each member gathers parts from the other process's devices and
+  reduce-scatters into them (gloo); each process loads the one replica's
+  data and places its members' columns. The reduce-scatter adds the 8
+  members' gradients in another order over gloo than in one process, so
+  the weights agree to float32 rounding, not bit for bit."""
+  single, multi = tmp_path / "single", tmp_path / "multi"
+  one = subprocess.run([sys.executable, "launch.py", *FLAGS, *FSDP_ACROSS,
+                        f"--workdir={single}"], cwd=ROOT, env=_env(8),
+                       capture_output=True, text=True, timeout=300)
+  assert one.returncode == 0, one.stderr[-3000:]
+  _two_processes(multi, *FSDP_ACROSS)
+  want, got = _params(single), _params(multi)
+  assert want.keys() == got.keys()
+  for key in want:
+    np.testing.assert_allclose(got[key], want[key], rtol=1e-5, atol=1e-6,
+                               err_msg=key)
+  one, two = (json.loads((w / "summary.json").read_text())
+              for w in (single, multi))
+  assert two["test_loss"] == pytest.approx(one["test_loss"], rel=1e-5)
+
+
 def test_partial_multihost_flags_are_a_one_line_error(tmp_path):
   result = subprocess.run(
       [sys.executable, "launch.py", "--num_processes=2",
