@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from stalepipe.train import build
+from stalepipe.train import checkpoint
 from stalepipe.train import trainer
 from tests.run_path_test import tiny
 
@@ -67,3 +68,28 @@ def test_a_state_over_the_memory_limit_is_refused_and_runs_sharded(tmp_path):
   summary = trainer.train_and_evaluate(
       _pipedream(device_memory_mib=limit, fsdp=4), str(tmp_path))
   assert summary["steps"] == 8
+
+
+def test_a_run_resumes_onto_another_fsdp_size(tmp_path):
+  """Half the run with each stage on one device, the rest sharded over 4
+  (the checkpoint resharded, `Pipeline.reshard`), ends where a straight
+  run does, to the reduce-scatter's rounding."""
+  straight, moved = tmp_path / "straight", tmp_path / "moved"
+  trainer.train_and_evaluate(_pipedream(checkpoint_every=4), str(straight))
+  trainer.train_and_evaluate(_pipedream(num_steps=4, checkpoint_every=4),
+                             str(moved))
+  second = trainer.train_and_evaluate(_pipedream(fsdp=4, checkpoint_every=4),
+                                      str(moved))
+  assert second["resumed_from_step"] == 4
+  with np.load(straight / "params.npz") as a, np.load(
+      moved / "params.npz") as b:
+    for key in a:
+      np.testing.assert_allclose(b[key], a[key], rtol=2e-5, atol=2e-6)
+
+
+def test_a_checkpoint_older_than_the_field_counts_as_fsdp_1():
+  old = {"schedule": "pipedream"}
+  assert checkpoint.changed_fields(old, {"schedule": "pipedream",
+                                         "fsdp": 1}) == []
+  assert checkpoint.changed_fields(old, {"schedule": "pipedream",
+                                         "fsdp": 2}) == ["fsdp"]

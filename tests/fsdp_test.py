@@ -252,3 +252,84 @@ def test_a_window_gather_where_an_update_lands_inside_is_refused(
 
 def _model(hidden=16):
   return sp.models.split(sp.models.mlp(8, hidden, S - 1, 4, seed=3), S)
+
+
+def _pipe(name, shape, rule="adamw", minibatches=B):
+  D, P, F = shape
+  mesh = (jax.make_mesh(shape, ("data", "stage", "fsdp"),
+                        devices=jax.devices()[:D * P * F]) if F > 1 else
+          jax.make_mesh((D, P), ("data", "stage"), devices=jax.devices()[:D * P]))
+  staged = _model()
+  pipe = executor.Pipeline(staged.stage_fns, cross_entropy,
+                           _schedule(name, P, minibatches), RULES[rule](), mesh)
+  return pipe, pipe.init(staged.stage_params)
+
+
+def _leaves(pipe, state):
+  """Every weight version, accumulator and optimizer state, whole, per
+  replica, slot and device (host arrays)."""
+  out = []
+  for j in range(pipe.placement.num_slots):
+    for d, p in np.ndindex(pipe.num_replicas, pipe.placement.num_devices):
+      s = int(pipe.placement.stages[p, j])
+      member = lambda v, d=d, p=p: np.asarray(pipe._fetch(v))[d, p]  # pylint: disable=protected-access
+      for name, flat, opt in (("grads", state.grads[j], False),
+                              ("opt", state.opt_state[j], True)):
+        out.append((name, pipe._whole(s, {k: member(v) for k, v in  # pylint: disable=protected-access
+                                          flat.items()}, opt)))
+      ring = {k: member(v) for k, v in state.ring[j].params.items()}
+      R = pipe.program.ring_sizes[s]
+      for r in range(R):
+        at = (slice(None), r) if pipe.fsdp > 1 else (r,)
+        out.append(("ring", pipe._whole(s, {k: v[at] for k, v in  # pylint: disable=protected-access
+                                            ring.items()})))
+  return out
+
+
+@pytest.mark.parametrize("name,shapes", [
+    ("pipedream", ((2, 2, 2), (2, 2, 1), (2, 2, 2))),
+    pytest.param("1f1b", ((1, 2, 4), (1, 2, 2), (1, 2, 4)),
+                 marks=pytest.mark.slow)])
+def test_a_state_resharded_onto_another_fsdp_size_and_back_is_bit_for_bit(
+    name, shapes):
+  """Mid-run (PipeDream: stashes and activations in flight), the state of
+  one 'fsdp' size is carried onto another and back: every weight version,
+  accumulator and optimizer state is the same bits; the resharded run goes
+  on to train what the unresharded one does."""
+  first, state = _pipe(name, shapes[0])
+  windows = _windows(4, B, first.schedule.num_microbatches, 2 * 4)
+  windows = [(x[:, :, :2 * first.num_replicas * 2], y[:, :, :2 *
+                                                     first.num_replicas * 2])
+             for x, y in windows]
+  for x, y in windows[:2]:
+    state, _ = first.step(state, x, y)
+  middle, _ = _pipe(name, shapes[1])
+  moved = middle.reshard(state, first)
+  last, _ = _pipe(name, shapes[2])
+  back = last.reshard(moved, middle)
+  for (n, a), (_, b) in zip(_leaves(first, state), _leaves(last, back),
+                            strict=True):
+    for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+      np.testing.assert_array_equal(u, v, err_msg=n)
+  straight = state
+  for x, y in windows[2:]:
+    straight, m = first.step(straight, x, y)
+    moved, n = middle.step(moved, x, y)
+    np.testing.assert_allclose(float(n["loss"]), float(m["loss"]), rtol=1e-5)
+  for a, b in zip(jax.tree.leaves(first.params(first.drain(straight)[0])),
+                  jax.tree.leaves(middle.params(middle.drain(moved)[0]))):
+    np.testing.assert_allclose(a, b, atol=ATOL, rtol=RTOL)
+
+
+def test_reshard_refuses_a_policy_with_its_own_state():
+  D = 2
+  mesh = lambda F: jax.make_mesh((D, 2, F), ("data", "stage", "fsdp"),  # pylint: disable=unnecessary-lambda-assignment
+                                 devices=jax.devices()[:4 * F])
+  staged = _model()
+  pipes = [executor.Pipeline(
+      staged.stage_fns, cross_entropy, _schedule("hetpipe", 2),
+      optax.sgd(0.1), mesh(F), sync=_sync("hetpipe", D)()) for F in (1, 2)]
+  state = pipes[0].init(staged.stage_params)
+  pipes[1].init(staged.stage_params)
+  with pytest.raises(ValueError, match="resharding the state of sync policy"):
+    pipes[1].reshard(state, pipes[0])

@@ -34,7 +34,10 @@ from jax.experimental import multihost_utils
 # Fields that may change between a run and its resumption.
 RESUMABLE_CHANGES = frozenset({"num_steps", "log_every", "eval_every",
                                "checkpoint_every", "keep_checkpoints",
-                               "plots", "hooks"})
+                               "plots", "hooks", "device_memory_mib"})
+# Fields newer than some checkpoints: a checkpoint without one was written
+# with this value of it.
+ABSENT_MEANS = {"fsdp": 1}
 
 
 def _key(path) -> str:
@@ -82,8 +85,9 @@ def changed_fields(saved: dict[str, Any], config_dict: dict[str, Any]
   if PRECISION not in saved:
     del current[PRECISION]
   saved = {k: v for k, v in saved.items() if k not in RESUMABLE_CHANGES}
+  value = lambda d, k: d.get(k, ABSENT_MEANS.get(k))  # pylint: disable=unnecessary-lambda-assignment
   return sorted(k for k in saved.keys() | current.keys()
-                if saved.get(k) != current.get(k))
+                if value(saved, k) != value(current, k))
 
 
 class CheckpointError(RuntimeError):
@@ -161,6 +165,20 @@ class Checkpointer:
   def latest_step(self) -> int | None:
     """The newest finished checkpoint's name (its step), or None."""
     return self._manager.latest_step()
+
+  def saved_config(self) -> dict[str, Any]:
+    """The config fingerprint the newest checkpoint records ({} where it
+    records none or cannot be read): e.g. to restore a state held on
+    another 'fsdp' size before resharding it."""
+    step = self.latest_step()
+    if step is None:
+      return {}
+    try:
+      position = self._manager.restore(step, args=ocp.args.Composite(
+          position=ocp.args.JsonRestore()))["position"]
+    except Exception:  # pylint: disable=broad-except
+      return {}
+    return dict(position.get("config", {}))
 
   def save(self, step: int, state: Any, position: dict[str, Any],
            config_dict: dict[str, Any]) -> None:

@@ -142,7 +142,18 @@ def _restore(parts: build.Parts, ckpt, config_dict, console) -> tuple[Any, int]:
   """The newest checkpoint's state and step, or a fresh state at step 0."""
   config, B = parts.config, parts.steps_per_window
   restored = None
-  if ckpt.latest_step() is not None:
+  source = _reshard_source(parts, ckpt, config_dict)
+  if source is not None:  # saved on another 'fsdp' size: restored there
+    restored = ckpt.restore(source.pipeline.abstract_state(
+        source.staged.stage_params, *source.batch(0)),
+                            json.loads(source.config.to_json()))
+    if restored is not None:
+      parts.pipeline.init(parts.staged.stage_params)  # its layouts
+      restored = (parts.pipeline.reshard(restored[0], source.pipeline),
+                  restored[1])
+      console.print(f"resharded the checkpoint from fsdp="
+                    f"{source.config.fsdp} to fsdp={config.get('fsdp', 1)}")
+  elif ckpt.latest_step() is not None:
     restored = ckpt.restore(parts.pipeline.abstract_state(
         parts.staged.stage_params, *parts.batch(0)), config_dict)
   for line in ckpt.skipped:
@@ -164,6 +175,19 @@ def _restore(parts: build.Parts, ckpt, config_dict, console) -> tuple[Any, int]:
                      "continue it, or a new --workdir")
   console.print(f"resuming from checkpoint {where} (step {step})")
   return state, step
+
+
+def _reshard_source(parts: build.Parts, ckpt, config_dict) -> Any:
+  """The run's parts as the newest checkpoint was written (`build.Parts`),
+  where it differs from this config only in `fsdp`; else None. Its mesh
+  must fit the devices here too."""
+  saved = ckpt.saved_config()
+  changed = checkpoint_lib.changed_fields(saved, config_dict)
+  if changed != ["fsdp"]:
+    return None
+  config = ml_collections.ConfigDict(parts.config.to_dict())
+  config.fsdp = saved.get("fsdp", 1)
+  return build.parts(config)
 
 
 def _train(parts: build.Parts, workdir: str,
