@@ -59,6 +59,12 @@ def make_batch(minibatches: int, micro: int, examples: int, hidden: int,
   return x.astype(np.float32), y.astype(np.int32)
 
 
+def shard_bytes(tree) -> int:
+  """Bytes of one device's shard of every array in `tree`."""
+  return sum(int(a.addressable_shards[0].data.nbytes)
+             for a in jax.tree.leaves(tree))
+
+
 def step_function(pipe, state, inputs, targets):
   """The executor's compiled window step, and the arguments it takes.
 

@@ -33,12 +33,6 @@ flags.FLAGS.set_default("batch", 8)
 flags.FLAGS.set_default("micro", 4)
 
 
-def shard_bytes(tree) -> int:
-  """Bytes of one device's shard of every array in `tree`."""
-  return sum(int(a.addressable_shards[0].data.nbytes)
-             for a in jax.tree.leaves(tree))
-
-
 def analyse(staged, schedule, mesh, batch: int, hidden: int,
             extra_versions: int = 0) -> dict:
   pipe = executor.Pipeline(staged.stage_fns, classification_loss, schedule,
@@ -51,22 +45,21 @@ def analyse(staged, schedule, mesh, batch: int, hidden: int,
                            schedule.num_microbatches, 2 * batch, hidden)
   step_fn, state, args = common.step_function(pipe, state, x, y)
   mem = step_fn.memory_analysis()
-  fields = {name: shard_bytes(getattr(state, name))
+  fields = {name: common.shard_bytes(getattr(state, name))
             for name in state._fields}
   stage_bytes = max(sum(np.asarray(leaf).nbytes for leaf in jax.tree.leaves(p))
                     for p in staged.stage_params)
   stream = schedule.with_minibatches(6 * schedule.num_minibatches)
   R = max(stream.stash_depth)
+  ring = common.shard_bytes([r.params for r in state.ring])
   return {
       "schedule": schedule.name, "max_stash_depth": R,
       "ring_versions": depth + extra_versions,
       "stage_param_bytes": stage_bytes,
-      "ring_bytes": shard_bytes([r.params for r in state.ring]),
-      "ring_over_depth_x_stage": (shard_bytes([r.params for r in state.ring])
-                                  / (R * stage_bytes)),
+      "ring_bytes": ring, "ring_over_depth_x_stage": ring / (R * stage_bytes),
       "argument_bytes": mem.argument_size_in_bytes,
       "state_field_bytes": fields,
-      "argument_bytes_of_inputs_and_tables": shard_bytes(args),
+      "argument_bytes_of_inputs_and_tables": common.shard_bytes(args),
       "output_bytes": mem.output_size_in_bytes,
       "alias_bytes": mem.alias_size_in_bytes,
       "temp_bytes": mem.temp_size_in_bytes,

@@ -65,11 +65,6 @@ def closed_form_bubble(name: str, M: int, B: int) -> float:
   return sp.theory.gpipe_bubble(S, M)  # 1F1B with flushes: GPipe's
 
 
-def shard_bytes(tree) -> int:
-  return sum(int(a.addressable_shards[0].data.nbytes)
-             for a in jax.tree.leaves(tree))
-
-
 class WholePullbackBW(executor.Pipeline):
   """Ablation: BI and BW each call the forward's whole pullback and keep one
   of its outputs, as before the split backward (`split_backward.py`); BW
@@ -105,9 +100,9 @@ def build(name, remat, lowering, staged, mesh, x, y, pipeline=None,
           "closed_form_bubble": closed_form_bubble(name, M, 6 * B),
           "max_in_flight": list(schedule.with_minibatches(6 * B).max_in_flight),
           "buffer_slots": pipe.program.num_slots,
-          "activation_bytes": shard_bytes(state.buffers),
-          "residual_bytes": shard_bytes([b.residuals for b in state.buffers]),
-          "op_cotangent_bytes": shard_bytes([b.op_cotangents for b in state.buffers]),
+          "activation_bytes": common.shard_bytes(state.buffers),
+          "residual_bytes": common.shard_bytes([b.residuals for b in state.buffers]),
+          "op_cotangent_bytes": common.shard_bytes([b.op_cotangents for b in state.buffers]),
           "temp_bytes": int(memory.temp_size_in_bytes)}
   if with_ops:
     info["op_tasks"] = trace_names.task_of_ops(step_fn.as_text())
