@@ -333,3 +333,18 @@ def test_reshard_refuses_a_policy_with_its_own_state():
   pipes[1].init(staged.stage_params)
   with pytest.raises(ValueError, match="resharding the state of sync policy"):
     pipes[1].reshard(state, pipes[0])
+
+
+def test_a_whole_matrix_rule_steps_on_the_gathered_stage():
+  """Muon's Newton-Schulz needs each weight matrix whole: it is not
+  elementwise, so each update gathers the stage over 'fsdp' and the
+  numbers are the unsharded run's. (Basis rotation takes the same path,
+  but its eigenvectors of a rank-deficient covariance turn float32
+  rounding into 1e-4 of the loss even unsharded, executor against oracle:
+  no tight comparison holds for it.)"""
+  RULES["muon"] = lambda: optax.contrib.muon(1e-2)
+  try:
+    pipe = _compare("1f1b", (1, 2, 4), "muon", windows=2)
+  finally:
+    del RULES["muon"]
+  assert not pipe._sharded.elementwise  # pylint: disable=protected-access

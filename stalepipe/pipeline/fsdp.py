@@ -11,9 +11,9 @@ run says which (`Shards.replicated`). The member's parts of a stage's tree
 are packed as one stage's tree is (`packing.py`), so the executor's rings,
 accumulators and optimizer states hold `[L / F]`-long rows.
 
-Inside the tick (`tick.py`), outside every conditional (a collective under a
-`cond` has served wrong numbers from the persistent compilation cache,
-docs/executor.md):
+Inside the tick (`tick.py`), the task's collectives outside every
+conditional (a `ppermute` under a `cond` has served wrong numbers from the
+persistent compilation cache, docs/executor.md):
 
 - before a slot's task runs, its row of the version the task reads is
   all-gathered over 'fsdp' (one `all_gather` per dtype), and the task
@@ -27,7 +27,10 @@ docs/executor.md):
   (`elementwise`: SGD, Adam, diagonal delay compensation; no collective),
   else on the whole stage tree gathered over 'fsdp' (a global norm, full
   delay compensation's `<g, dx>`, Muon's Newton-Schulz: the numbers of the
-  unsharded run), after which each member keeps its parts.
+  unsharded run), after which each member keeps its parts. These gathers
+  sit under the update's `cond`, as the model scope's gathers over 'stage'
+  do; `tests/compilation_cache_test.py` runs both from the persistent
+  cache.
 """
 
 from typing import Any, Callable, NamedTuple, Sequence
