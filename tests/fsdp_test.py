@@ -33,7 +33,7 @@ RULES = {
 }
 
 
-def _schedule(name, P, minibatches=B):
+def _schedule(name, P, minibatches=B, **options):
   if name == "hetpipe":
     return sp.schedules.make(name, num_stages=S, num_microbatches=1,
                              num_minibatches=minibatches,
@@ -43,7 +43,7 @@ def _schedule(name, P, minibatches=B):
                              num_minibatches=minibatches,
                              num_devices=max(P, 2))
   return sp.schedules.make(name, num_stages=S, num_microbatches=M,
-                           num_minibatches=minibatches)
+                           num_minibatches=minibatches, **options)
 
 
 def _sync(name, D):
@@ -61,12 +61,12 @@ def _windows(num, minibatches, mb, columns, seed=0):
 
 
 def _compare(name, shape, rule, sync=None, scope="auto", hidden=16,
-             windows=3, minibatches=B, **kwargs):
+             windows=3, minibatches=B, options=None, **kwargs):
   """The executor on mesh `shape` (`kwargs`: more of its arguments) and the
   oracle: equal losses every window and equal weights after a drain;
   returns the executor."""
   D, P, F = shape
-  schedule = _schedule(name, P, minibatches)
+  schedule = _schedule(name, P, minibatches, **(options or {}))
   sync = sync or _sync(name, D)
   staged = _model(hidden)
   mesh = jax.make_mesh(shape, ("data", "stage", "fsdp"),
@@ -201,11 +201,32 @@ def test_each_member_holds_a_part_of_the_rings_and_optimizer_state():
       assert part * F <= whole * 1.05, sizes  # 4-byte counts aside
 
 
+class _NormPrediction:
+  """SGD whose `predict` divides the weights by their global norm: a
+  prediction that is not elementwise."""
+
+  def __init__(self):
+    self.inner = optax.sgd(0.1)
+
+  def init(self, params):
+    return self.inner.init(params)
+
+  def update(self, grads, state, params=None, **_):
+    return self.inner.update(grads, state, params)
+
+  def predict(self, state, weights, *, ahead, since_forward):
+    del state, ahead, since_forward
+    norm = optax.tree.norm(weights)
+    return jax.tree.map(lambda w: w / norm, weights)
+
+
 @pytest.mark.parametrize("kwargs,match", [
     ({"remat": "residuals"}, "remat='residuals' on a stage sharded"),
-    ({"optimizer": sp.optim.WeightPrediction(optax.sgd(0.1, 0.9), option=1)}, "weight prediction"),
+    ({"optimizer": _NormPrediction()}, "weight prediction that is not"),
 ])
 def test_what_a_sharded_stage_does_not_run_is_refused(kwargs, match):
+  """Kept residuals, and a prediction that reduces over the tree (each
+  member predicts its parts before the gather)."""
   staged = sp.models.split(sp.models.mlp(8, 16, S - 1, 4), S)
   mesh = jax.make_mesh((1, 2, 2), ("data", "stage", "fsdp"),
                        devices=jax.devices()[:4])
@@ -348,3 +369,34 @@ def test_a_whole_matrix_rule_steps_on_the_gathered_stage():
   finally:
     del RULES["muon"]
   assert not pipe._sharded.elementwise  # pylint: disable=protected-access
+
+
+_PREDICTIONS = {
+    # SAPipe's option 3 reduces over the tree in its update (gathered over
+    # 'fsdp'); every prediction here is elementwise (on the parts)
+    "wp3": ("gpipe", {}, lambda: sp.optim.WeightPrediction(
+        optax.sgd(0.3, 0.9), option=3, num_workers=2, lam=0.2)),
+    "wp2": ("1f1b", {}, lambda: sp.optim.WeightPrediction(
+        optax.sgd(0.3, 0.9), option=2, num_workers=2)),
+    "spectrain_minibatch": ("pipedream", {"weight_stashing": False},
+                            lambda: sp.optim.SpecTrain(
+                                optax.sgd(0.3, 0.9), staleness="minibatch")),
+    "pipemare": ("pipedream", {"weight_stashing": False},
+                 lambda: sp.optim.PipeMare(optax.sgd(0.3), warmup_steps=4,
+                                           decay=0.5)),
+}
+
+
+@pytest.mark.parametrize("rule", [
+    "wp3", pytest.param("wp2", marks=pytest.mark.slow),
+    pytest.param("spectrain_minibatch", marks=pytest.mark.slow),
+    pytest.param("pipemare", marks=pytest.mark.slow)])
+def test_weight_prediction_on_sharded_stages_equals_the_oracle(rule):
+  """Each member predicts its parts of the version a task reads (SAPipe,
+  SpecTrain, PipeMare), before the gather."""
+  name, options, make = _PREDICTIONS[rule]
+  RULES[rule] = make
+  try:
+    _compare(name, (2, 2, 2), rule, options=options, scope="stage")
+  finally:
+    del RULES[rule]

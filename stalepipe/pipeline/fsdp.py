@@ -15,9 +15,11 @@ Inside the tick (`tick.py`), the task's collectives outside every
 conditional (a `ppermute` under a `cond` has served wrong numbers from the
 persistent compilation cache, docs/executor.md):
 
-- before a slot's task runs, its row of the version the task reads is
-  all-gathered over 'fsdp' (one `all_gather` per dtype), and the task
-  merges the F parts into the whole tree (`Shards.merge`);
+- before a slot's task runs, its row of the version the task reads (as the
+  optimizer predicts it, where it does: each member its parts,
+  `predicts_per_element`) is all-gathered over 'fsdp' (one `all_gather` per
+  dtype), and the task merges the F parts into the whole tree
+  (`Shards.merge`);
 - each member runs the task on its 1/F of the micro-batch (the micro-batch
   axis is split over ('data', 'fsdp'), as ZeRO-3 splits the batch); the
   weight gradient is cut into F rows (`Shards.rows`) and reduce-scattered
@@ -240,11 +242,49 @@ def elementwise(optimizer) -> bool:
   return True
 
 
+def predicts_per_element(optimizer) -> bool:
+  """Whether `optimizer.predict` on a state's and weights' halves (cut as
+  `elementwise` cuts them) gives the halves of its prediction on the whole,
+  after two steps at gradient scales 1e-4, 1 and 1e4: then each member
+  predicts its parts before the gather, whether the update that made the
+  state ran on parts or on the whole (SAPipe's option 3 reduces over the
+  tree in its update, not in its prediction `x + ahead`)."""
+  rng = np.random.default_rng(1)
+  draw = lambda: {k: rng.normal(size=v).astype(np.float32)  # pylint: disable=unnecessary-lambda-assignment
+                  for k, v in _STAND_IN_SHAPES.items()}
+  params, shards = draw(), Shards([draw()], 2)
+  counts = {"ahead": jnp.int32(2), "since_forward": jnp.int32(1)}
+  if contract.pipeline_wide(optimizer):
+    counts["pipeline_ahead"] = jnp.int32(3)
+  try:
+    for scale in (1e-4, 1.0, 1e4):
+      state = optimizer.init(params)
+      for _ in range(2):
+        g = jax.tree.map(lambda v, c=scale: v * c, draw())
+        kwargs = contract.extra_args(optimizer, True, stale_params=params,
+                                     staleness=jnp.int32(1), local_updates=g)
+        _, state = optimizer.update(g, state, params, **kwargs)
+      states = Shards([state], 2, like=shards)
+      whole = optimizer.predict(state, params, **counts)
+      for i in range(2):
+        half = optimizer.predict(states.cut(0, state, i),
+                                 shards.cut(0, params, i), **counts)
+        for a, b in zip(jax.tree.leaves(shards.cut(0, whole, i)),
+                        jax.tree.leaves(half), strict=True):
+          if np.shape(a) != np.shape(b) or not np.allclose(a, b, rtol=1e-6,
+                                                           atol=0):
+            return False
+  except Exception:  # pylint: disable=broad-except
+    return False
+  return True
+
+
 def check(size: int, remat: str, optimizer, wants, tied) -> None:
   """Refuses, in one line, what a stage sharded over `size` > 1 members
   does not run: kept residuals (they would hold the gathered weights of
-  every micro-batch in flight), weight prediction (its `predict` reads the
-  whole optimizer state before the gather), stages taking a PRNG key or a
+  every micro-batch in flight), a weight prediction that is not
+  elementwise (each member predicts its parts before the gather), stages
+  taking a PRNG key or a
   state (each member sees 1/F of the micro-batch: a dropout mask or a batch
   statistic would not be the unsharded run's) and tied parameters."""
   if size == 1:
@@ -253,10 +293,11 @@ def check(size: int, remat: str, optimizer, wants, tied) -> None:
   if remat != "recompute":
     raise ValueError(f"remat={remat!r} on {where} is not supported; valid: "
                      "remat='recompute'")
-  if contract.predicts(optimizer):
-    raise ValueError(f"weight prediction (an optimizer with predict) on "
-                     f"{where} is not supported; valid: a rule without "
-                     "predict, or fsdp=1")
+  if contract.predicts(optimizer) and not predicts_per_element(optimizer):
+    raise ValueError(f"a weight prediction that is not elementwise on {where} "
+                     "is not supported (each member predicts its parts "
+                     "before the gather); valid: an elementwise predict "
+                     "(SAPipe's, SpecTrain's, PipeMare's), or fsdp=1")
   for s, takes in enumerate(wants):
     extras = sorted(set(takes) & {"key", "state"})
     if extras:

@@ -210,6 +210,30 @@ def gradient_rows(ctx: Stages, s: int, grads) -> packing.Flat:
   return {k: jnp.stack([r[k] for r in rows]) for k in rows[0]}
 
 
+def predicted_part(ctx: Stages, carry: TickCarry, instr, window: Window
+                   ) -> packing.Flat:
+  """A sharded stage's packed part of the version its task reads, as the
+  optimizer's `predict` makes it where it has one (an elementwise
+  prediction, `fsdp.check`: on the member's parts, before the gather; the
+  per-stage branch holds no collective)."""
+  flat = read_version(carry.ring, instr.lag)
+  if not ctx.predicts:
+    return flat
+  counts = {"ahead": instr.ahead, "since_forward": instr.since_forward}
+  if contract.pipeline_wide(ctx.optimizer):
+    counts["pipeline_ahead"] = instr.pipeline_ahead
+
+  def predict(s, f, opt_state):
+    return ctx.params.pack(s, ctx.optimizer.predict(
+        ctx.opt.unpack(s, opt_state), ctx.params.unpack(s, f), **counts)), ()
+
+  out, _ = ctx.lowering(
+      window.device, 1, [[lambda f, o: (f, ()),
+                          lambda f, o, s=s: predict(s, f, o)]
+                         for s in window.candidates], flat, carry.opt_state)
+  return out
+
+
 def task_weights(ctx: Stages, s: int, carry: TickCarry, instr,
                  window: Window | None = None) -> Any:
   """Stage s's weights for a task: the version its row names (on a sharded
@@ -865,7 +889,7 @@ def tick(ctx: Stages, window: Window, carries: tuple, xs):
   carries = receive(ctx, list(carries), previous, windows, window.device)
   if ctx.sharded is not None:  # each slot's version, gathered before its task
     windows = [w._replace(gathered=window.once[j] if ctx.gather_once
-                          else fsdp.gather(read_version(c.ring, i.lag)))
+                          else fsdp.gather(predicted_part(ctx, c, i, w)))
                for j, (w, c, i) in enumerate(zip(windows, carries, instrs))]
   done = [run_slot(ctx, c, i, w) for w, c, i in zip(windows, carries, instrs)]
   return apply_updates(ctx, windows, done, instrs), None
