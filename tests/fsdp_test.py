@@ -61,7 +61,8 @@ def _windows(num, minibatches, mb, columns, seed=0):
 
 
 def _compare(name, shape, rule, sync=None, scope="auto", hidden=16,
-             windows=3, minibatches=B, options=None, **kwargs):
+             windows=3, minibatches=B, options=None, axis_types=None,
+             **kwargs):
   """The executor on mesh `shape` (`kwargs`: more of its arguments) and the
   oracle: equal losses every window and equal weights after a drain;
   returns the executor."""
@@ -70,7 +71,8 @@ def _compare(name, shape, rule, sync=None, scope="auto", hidden=16,
   sync = sync or _sync(name, D)
   staged = _model(hidden)
   mesh = jax.make_mesh(shape, ("data", "stage", "fsdp"),
-                       devices=jax.devices()[:D * P * F])
+                       devices=jax.devices()[:D * P * F],
+                       axis_types=axis_types)
   pipe = executor.Pipeline(staged.stage_fns, cross_entropy, schedule,
                            RULES[rule](), mesh, sync=sync(),
                            optimizer_scope=scope, **kwargs)
@@ -400,3 +402,12 @@ def test_weight_prediction_on_sharded_stages_equals_the_oracle(rule):
     _compare(name, (2, 2, 2), rule, options=options, scope="stage")
   finally:
     del RULES[rule]
+
+
+def test_a_mesh_of_auto_axes_runs_as_one_of_explicit_axes():
+  """`jax.make_mesh` gives Explicit axes by default (the other tests);
+  under Auto axes the same program equals the oracle."""
+  auto = (jax.sharding.AxisType.Auto,) * 3
+  pipe = _compare("pipedream", (1, 2, 4), "adamw", windows=2,
+                  axis_types=auto)
+  assert pipe.mesh.axis_types == auto
