@@ -24,6 +24,7 @@ def _pipedream(**overrides):
   return config
 
 
+@pytest.mark.slow  # 10-30 s on two cores
 def test_fsdp_builds_a_three_axis_mesh_and_trains_what_fsdp_1_does(tmp_path):
   parts = build.parts(_pipedream(fsdp=4))
   assert dict(parts.mesh.shape) == {"data": 1, "stage": 2, "fsdp": 4}
@@ -50,6 +51,7 @@ def test_an_fsdp_that_does_not_factor_is_one_line(overrides, match):
                            if overrides["fsdp"] == 3 else 8))
 
 
+@pytest.mark.slow  # 10-30 s on two cores
 def test_a_state_over_the_memory_limit_is_refused_and_runs_sharded(tmp_path):
   whole = build.parts(_pipedream())
   need = {F: build.parts(_pipedream(fsdp=F)).pipeline.state_bytes(
@@ -70,6 +72,7 @@ def test_a_state_over_the_memory_limit_is_refused_and_runs_sharded(tmp_path):
   assert summary["steps"] == 8
 
 
+@pytest.mark.slow  # 10-30 s on two cores
 def test_a_run_resumes_onto_another_fsdp_size(tmp_path):
   """Half the run with each stage on one device, the rest sharded over 4
   (the checkpoint resharded, `Pipeline.reshard`), ends where a straight

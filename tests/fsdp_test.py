@@ -130,15 +130,19 @@ def test_a_rule_picks_the_dimension_and_a_bad_one_is_refused():
 
 
 @pytest.mark.parametrize("rule,expected", [
-    ("sgd", True), ("adamw", True), ("clip_adamw", False), ("full_dc", False)])
+    pytest.param("sgd", True, marks=pytest.mark.slow), ("adamw", True),
+    pytest.param("clip_adamw", False, marks=pytest.mark.slow),
+    pytest.param("full_dc", False, marks=pytest.mark.slow)])
 def test_elementwise_rules_are_told_from_whole_tree_ones(rule, expected):
   assert fsdp.elementwise(RULES[rule]()) is expected
   assert fsdp.elementwise(sp.optim.delay_compensation(0.5)) is True
   assert fsdp.elementwise(optax.contrib.muon(1e-3)) is False
 
 
-_FAST = {("1f1b", (2, 2, 2), "adamw"), ("pipedream", (1, 2, 4), "sgd"),
-         ("gpipe", (1, 1, 8), "clip_adamw"), ("zb-h1", (1, 2, 4), "full_dc")}
+# Every case is in the slow suite (10-20 s each on two cores); the quick
+# suite keeps `test_sync_policies_reduce_shard_by_shard[local_sgd]`
+# (PipeDream, AdamW, a (2, 2, 2) mesh) and the window gather's 1F1B.
+_FAST = set()
 _CASES = [(name, shape, rule)
           for name in ("gpipe", "1f1b", "pipedream", "2bw", "zb-h1",
                        "hetpipe", "interleaved-1f1b")
@@ -165,7 +169,8 @@ def test_sharded_stages_equal_the_oracle(name, shape, rule):
 
 
 @pytest.mark.parametrize("policy", [
-    "bsp", "local_sgd", pytest.param("sdpipe", marks=pytest.mark.slow),
+    pytest.param("bsp", marks=pytest.mark.slow), "local_sgd",
+    pytest.param("sdpipe", marks=pytest.mark.slow),
     pytest.param("ad_psgd", marks=pytest.mark.slow)])
 def test_sync_policies_reduce_shard_by_shard(policy):
   """Local SGD averages no gradient: a gradient summed over 'data' by the
@@ -178,6 +183,7 @@ def test_sync_policies_reduce_shard_by_shard(policy):
   _compare("pipedream", (2, 2, 2), "adamw", sync=make)
 
 
+@pytest.mark.slow
 def test_a_leaf_no_dimension_of_which_divides_is_held_whole_and_named():
   pipe = _compare("1f1b", (1, 2, 4), "adamw", hidden=6, windows=2)
   assert any("(6,)" in leaf for leaf in pipe.replicated_leaves)
@@ -310,7 +316,8 @@ def _leaves(pipe, state):
 
 
 @pytest.mark.parametrize("name,shapes", [
-    ("pipedream", ((2, 2, 2), (2, 2, 1), (2, 2, 2))),
+    pytest.param("pipedream", ((2, 2, 2), (2, 2, 1), (2, 2, 2)),
+                 marks=pytest.mark.slow),
     pytest.param("1f1b", ((1, 2, 4), (1, 2, 2), (1, 2, 4)),
                  marks=pytest.mark.slow)])
 def test_a_state_resharded_onto_another_fsdp_size_and_back_is_bit_for_bit(
@@ -358,6 +365,7 @@ def test_reshard_refuses_a_policy_with_its_own_state():
     pipes[1].reshard(state, pipes[0])
 
 
+@pytest.mark.slow
 def test_a_whole_matrix_rule_steps_on_the_gathered_stage():
   """Muon's Newton-Schulz needs each weight matrix whole: it is not
   elementwise, so each update gathers the stage over 'fsdp' and the
@@ -390,7 +398,8 @@ _PREDICTIONS = {
 
 
 @pytest.mark.parametrize("rule", [
-    "wp3", pytest.param("wp2", marks=pytest.mark.slow),
+    pytest.param("wp3", marks=pytest.mark.slow),
+    pytest.param("wp2", marks=pytest.mark.slow),
     pytest.param("spectrain_minibatch", marks=pytest.mark.slow),
     pytest.param("pipemare", marks=pytest.mark.slow)])
 def test_weight_prediction_on_sharded_stages_equals_the_oracle(rule):
@@ -404,6 +413,7 @@ def test_weight_prediction_on_sharded_stages_equals_the_oracle(rule):
     del RULES[rule]
 
 
+@pytest.mark.slow
 def test_a_mesh_of_auto_axes_runs_as_one_of_explicit_axes():
   """`jax.make_mesh` gives Explicit axes by default (the other tests);
   under Auto axes the same program equals the oracle."""
