@@ -31,7 +31,6 @@ K*B minibatches.
 """
 
 import functools
-import itertools
 import time
 from typing import Any, Callable, Sequence
 
@@ -51,6 +50,7 @@ from stalepipe.pipeline import fsdp as fsdp_lib
 from stalepipe.pipeline import packing
 from stalepipe.pipeline import placement as placement_lib
 from stalepipe.pipeline import program as program_lib
+from stalepipe.pipeline import reshard as reshard_lib
 from stalepipe.pipeline import residuals as residuals_lib
 from stalepipe.pipeline import scope as scope_lib
 from stalepipe.pipeline import split_backward as split_lib
@@ -514,144 +514,17 @@ class Pipeline:
   def reshard(self, state: PipelineState, source: "Pipeline"
               ) -> PipelineState:
     """`state`, as `source` holds it, as this pipeline holds it: the same
-    stages, schedule, rule and placement on another 'fsdp' size (1 included).
-    Every weight version, accumulator and optimizer state is merged from
-    `source`'s parts and cut into this one's; activations in flight across
-    windows (an asynchronous schedule's) are joined into whole micro-batches
-    and split over the new members. Copies only: a run resumed from it
-    trains what the source would have, to the reduce-scatter's rounding.
-    Both pipelines must have been `init`ed (their layouts).
+    stages, schedule, rule and placement on another 'fsdp' size (1
+    included), every weight version, accumulator and optimizer state merged
+    from `source`'s parts and cut into this one's, activations in flight
+    re-split over the members (`reshard.py`). Both pipelines must have been
+    `init`ed (their layouts).
 
     Raises:
       ValueError: in one line, for pipelines that differ in more than the
         'fsdp' size, or a sync policy with a state of its own (WSP).
     """
-    if (len(self.stage_fns) != len(source.stage_fns)
-        or self.schedule.name != source.schedule.name
-        or self.mesh.shape[DATA] != source.mesh.shape[DATA]
-        or not np.array_equal(self.placement.stages,
-                              source.placement.stages)):
-      raise ValueError("reshard needs a source pipeline that differs only in "
-                       "its 'fsdp' size; valid: the same stages, schedule, "
-                       "replicas and placement")
-    if jax.tree.leaves(state.sync):
-      raise ValueError(f"resharding the state of sync policy "
-                       f"{self.sync.name!r} is not supported; valid: a policy "
-                       "without its own state (bsp, sdpipe, ad_psgd, "
-                       "local_sgd)")
-    num_devices = self.placement.num_devices
-
-    def members(tree, pipe):  # host arrays, with a member axis of one
-      tree = jax.tree.map(pipe._fetch, tree)  # pylint: disable=protected-access
-      return tree if pipe._lead == 3 else jax.tree.map(  # pylint: disable=protected-access
-          lambda v: v[:, :, None], tree)
-
-    def placed(tree):  # host arrays with a member axis, as this one holds
-      if self._lead == 2:
-        tree = jax.tree.map(lambda v: v[:, :, 0], tree)
-      return jax.tree.map(lambda v: self._put(v, self._device_spec), tree)
-
-    def convert(flat, j, opt=False, extra=0):
-      """Slot j's per-stage field `[D, P, F, *extra, ...]` per dtype."""
-      flat = members(flat, source)
-      positions = next(iter(flat.values())).shape[3:3 + extra]
-      out = {}
-      for (d, p), idx in itertools.product(
-          np.ndindex(self.num_replicas, num_devices), np.ndindex(*positions)):
-        s = int(self.placement.stages[p, j])
-        at = (d, p, slice(None)) + idx
-        part = {k: v[at] for k, v in flat.items()}
-        if source._lead == 2:  # pylint: disable=protected-access
-          part = {k: v[0] for k, v in part.items()}
-        held = self._held(s, source._whole(s, part, opt), opt)  # pylint: disable=protected-access
-        for k, v in held.items():
-          v = v if self._lead == 3 else v[None]
-          if k not in out:
-            out[k] = np.zeros((self.num_replicas, num_devices, v.shape[0])
-                              + positions + v.shape[1:], v.dtype)
-          out[k][at] = v
-      return placed(out)
-
-    def meta(v):  # the same on every member: member 0's
-      v = members(v, source)[:, :, :1]
-      return placed(np.broadcast_to(v, v.shape[:2] + (self.fsdp,)
-                                    + v.shape[3:]).copy())
-
-    rings = tuple(WeightRing(
-        params=convert(r.params, j, extra=1), versions=meta(r.versions),
-        latest=meta(r.latest)) for j, r in enumerate(state.ring))
-    whole = lambda v: self._put(source._fetch(v), v.sharding.spec)  # pylint: disable=unnecessary-lambda-assignment,protected-access
-    new = state._replace(
-        ring=rings,
-        opt_state=tuple(convert(o, j, opt=True)
-                        for j, o in enumerate(state.opt_state)),
-        grads=tuple(convert(g, j) for j, g in enumerate(state.grads)),
-        buffers=None, step=whole(state.step),
-        history=None if state.history is None else jax.tree.map(
-            lambda h: self._put(source._fetch(h), self._window_spec),  # pylint: disable=protected-access
-            state.history),
-        drained=None if state.drained is None else whole(state.drained))
-    if state.buffers is None or self.program.history == 0:
-      return new  # nothing crosses a window: buffers are made at the step
-    return new._replace(buffers=self._resplit_buffers(state, source))
-
-  def _resplit_buffers(self, state: PipelineState, source: "Pipeline"
-                       ) -> tuple[Buffers, ...]:
-    """`source`'s activation buffers (an asynchronous schedule's work in
-    flight) with every row's micro-batch joined over its members and split
-    over this pipeline's: inputs and output cotangents, leaf by leaf."""
-    B = self.schedule.num_minibatches
-    window = lambda tree: jax.tree.map(  # pylint: disable=unnecessary-lambda-assignment
-        lambda h: np.zeros((B,) + h.shape[1:], h.dtype), tree)
-    inputs, targets = window(state.history.inputs), window(
-        state.history.targets)
-    mine = self._context(inputs, targets).boundaries
-    theirs = source._context(inputs, targets).boundaries  # pylint: disable=protected-access
-    S, F = len(self.stage_fns), self.fsdp
-    out = []
-    for j, buffers in enumerate(state.buffers):
-      fields = {}
-      for name, (unpack, pack, offset) in {
-          "acts": ("unpack_input", "pack_input", 0),
-          "cots": ("unpack_cotangent", "pack_cotangent", 1)}.items():
-        flat = jax.tree.map(source._fetch, getattr(buffers, name))  # pylint: disable=protected-access
-        if source._lead == 2:  # pylint: disable=protected-access
-          flat = {k: v[:, :, None] for k, v in flat.items()}
-        D, P_, _, rows = next(iter(flat.values())).shape[:4]
-        shape = self._buffer_shapes(inputs, targets)[j]
-        new = {k: np.zeros(v if self._lead == 3 else v[:2] + (1,) + v[2:], k)
-               for k, v in getattr(shape, name).items()}
-        for d, p, c in np.ndindex(D, P_, rows):
-          s = int(self.placement.stages[p, j]) + offset
-          if s >= S:  # the last stage's output has no cotangent buffer use
-            continue
-          parts = [getattr(theirs, unpack)(s, {k: v[d, p, i, c]
-                                               for k, v in flat.items()})
-                   for i in range(flat[next(iter(flat))].shape[2])]
-          # A leaf without a batch axis (an auxiliary loss carried on, its
-          # cotangent) holds each member's mean: the members' mean, on all.
-          # A member's cotangent is of its own sub-batch's mean loss: F
-          # times the whole micro-batch's (`fsdp.scatter_mean` divides).
-          scale = lambda x, n: x * n if offset and np.issubdtype(  # pylint: disable=unnecessary-lambda-assignment
-              x.dtype, np.inexact) else x
-          joined = jax.tree.map(
-              lambda *x: scale(np.concatenate(x), 1 / len(x)) if np.ndim(x[0])
-              else np.mean(x, 0).astype(x[0].dtype), *parts)
-          for i in range(new[next(iter(new))].shape[2]):
-            part = jax.tree.map(
-                lambda x, i=i: scale(np.split(x, F)[i], F).astype(x.dtype)
-                if np.ndim(x) else x, joined)
-            for k, v in getattr(mine, pack)(s, part).items():
-              new[k][d, p, i, c] = np.asarray(v)
-        fields[name] = {k: self._put(v if self._lead == 3 else v[:, :, 0],
-                                     self._device_spec)
-                        for k, v in new.items()}
-      empty = lambda field: {k: self._put(np.zeros(v, k), self._device_spec)  # pylint: disable=unnecessary-lambda-assignment
-                             for k, v in field.items()}
-      shape = self._buffer_shapes(inputs, targets)[j]
-      out.append(Buffers(fields["acts"], fields["cots"],
-                         empty(shape.residuals), empty(shape.op_cotangents)))
-    return tuple(out)
+    return reshard_lib.reshard(self, state, source)
 
   def _initial_ring(self, params, stages: np.ndarray) -> WeightRing:
     """The rings of `stages` (one slot's, one per device) with version 0 in
