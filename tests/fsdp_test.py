@@ -130,7 +130,8 @@ def test_a_rule_picks_the_dimension_and_a_bad_one_is_refused():
 
 
 @pytest.mark.parametrize("rule,expected", [
-    pytest.param("sgd", True, marks=pytest.mark.slow), ("adamw", True),
+    pytest.param("sgd", True, marks=pytest.mark.slow),
+    pytest.param("adamw", True, marks=pytest.mark.slow),
     pytest.param("clip_adamw", False, marks=pytest.mark.slow),
     pytest.param("full_dc", False, marks=pytest.mark.slow)])
 def test_elementwise_rules_are_told_from_whole_tree_ones(rule, expected):
@@ -140,8 +141,7 @@ def test_elementwise_rules_are_told_from_whole_tree_ones(rule, expected):
 
 
 # Every case is in the slow suite (10-20 s each on two cores); the quick
-# suite keeps `test_sync_policies_reduce_shard_by_shard[local_sgd]`
-# (PipeDream, AdamW, a (2, 2, 2) mesh) and the window gather's 1F1B.
+# suite keeps the window gather's 1F1B against the oracle.
 _FAST = set()
 _CASES = [(name, shape, rule)
           for name in ("gpipe", "1f1b", "pipedream", "2bw", "zb-h1",
@@ -169,7 +169,8 @@ def test_sharded_stages_equal_the_oracle(name, shape, rule):
 
 
 @pytest.mark.parametrize("policy", [
-    pytest.param("bsp", marks=pytest.mark.slow), "local_sgd",
+    pytest.param("bsp", marks=pytest.mark.slow),
+    pytest.param("local_sgd", marks=pytest.mark.slow),
     pytest.param("sdpipe", marks=pytest.mark.slow),
     pytest.param("ad_psgd", marks=pytest.mark.slow)])
 def test_sync_policies_reduce_shard_by_shard(policy):
@@ -189,6 +190,7 @@ def test_a_leaf_no_dimension_of_which_divides_is_held_whole_and_named():
   assert any("(6,)" in leaf for leaf in pipe.replicated_leaves)
 
 
+@pytest.mark.slow
 def test_each_member_holds_a_part_of_the_rings_and_optimizer_state():
   staged = sp.models.split(sp.models.mlp(8, 32, S - 1, 4), S)
   schedule = sp.schedules.make("pipedream", num_stages=S, num_microbatches=1,
