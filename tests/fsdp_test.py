@@ -264,7 +264,7 @@ def test_a_mesh_with_other_axes_is_refused():
                                     marks=pytest.mark.slow)])
 def test_a_version_gathered_once_a_window_trains_the_same(name, rule):
   """MaxText's `ag_once`: one all-gather a slot a window, not a tick."""
-  pipe = _compare(name, (1, 2, 4), rule, minibatches=1, windows=4,
+  pipe = _compare(name, (1, 2, 4), rule, minibatches=1, windows=2,
                   fsdp_gather="window")
   assert pipe.fsdp_gather == "window"
 
