@@ -497,9 +497,7 @@ class Pipeline:
     if self._sharded is None:
       return layout.unpack(s, flat)
     shards = self._sharded.opt if opt else self._sharded.params
-    return shards.merge(s, [layout.unpack(s, {k: v[i] for k, v in
-                                              flat.items()})
-                            for i in range(self.fsdp)])
+    return shards.merge_packed(s, layout, flat)
 
   def _held(self, s: int, tree, opt: bool = False) -> dict:
     """`_whole`'s inverse: stage s's tree as this pipeline holds it at one
@@ -551,10 +549,8 @@ class Pipeline:
       for d, s in enumerate(self.placement.stages[:, j]):
         if self._sharded is not None:  # member i's part of the version
           at = int(np.argmax(versions[d, 0] == latest[d, 0]))
-          rows[int(s)] = self._sharded.params.merge(int(s), [
-              self._param_packing.unpack(int(s), {k: v[d, i, at]
-                                                  for k, v in flat.items()})
-              for i in range(self.fsdp)])
+          rows[int(s)] = self._whole(int(s), {k: v[d, :, at]
+                                              for k, v in flat.items()})
           continue
         at = int(np.argmax(versions[d] == latest[d]))
         rows[int(s)] = {k: v[d, at] for k, v in flat.items()}

@@ -46,11 +46,11 @@ class Forward(NamedTuple):
 
   @property
   def lead(self) -> int:
-    return 2 if self.sharded is None else 3
+    return fsdp.lead(self.sharded)
 
   @property
   def batch_axes(self):
-    return DATA if self.sharded is None else (DATA, fsdp.FSDP)
+    return fsdp.batch_axes(self.sharded, DATA)
 
 
 def _zero_objective(ctx: Forward):
@@ -74,9 +74,7 @@ def _forward(ctx: Forward, s: int, inputs, targets, weights, states, replica,
   if ctx.sharded is None:
     weights = ctx.params.unpack(s, weights)
   else:  # the members' parts, gathered before the branch
-    weights = ctx.sharded.params.merge(s, [
-        ctx.params.unpack(s, {k: v[i] for k, v in weights.items()})
-        for i in range(ctx.sharded.size)])
+    weights = ctx.sharded.params.merge_packed(s, ctx.params, weights)
   y = ctx.fns[s](weights, x)
   zeros = _zero_objective(ctx)
   if not last:

@@ -149,6 +149,12 @@ class Shards:
               for c, d in zip(columns, self.dims[s])]
     return jax.tree.unflatten(jax.tree.structure(self.full[s]), leaves)
 
+  def merge_packed(self, s: int, layout, rows: dict):
+    """Stage s's whole tree from its members' packed parts (`rows`: `[F,
+    L]` per dtype, e.g. `gather`'s), each unpacked with `layout`."""
+    return self.merge(s, [layout.unpack(s, {k: v[i] for k, v in rows.items()})
+                          for i in range(self.size)])
+
   def parts(self, s: int, tree) -> list:
     """Stage s's tree cut into its F members' parts (a gradient's rows for
     the reduce-scatter: member i's part in row i)."""
@@ -172,6 +178,17 @@ def _part_shape(shape: tuple, dim: int | None, size: int) -> tuple:
   if dim is None:
     return tuple(shape)
   return tuple(n // size if d == dim else n for d, n in enumerate(shape))
+
+
+def lead(sharded: "Sharded | None") -> int:
+  """Leading block axes of a per-stage field: `[D, P, ...]`, or with a
+  member axis `[D, P, F, ...]` on a sharded stage (`state.local`)."""
+  return 2 if sharded is None else 3
+
+
+def batch_axes(sharded: "Sharded | None", data: str = "data"):
+  """The mesh axes a micro-batch is split over: 'data' (and 'fsdp')."""
+  return data if sharded is None else (data, FSDP)
 
 
 def gather(flat: dict) -> dict:

@@ -91,13 +91,11 @@ class Stages(NamedTuple):
 
   @property
   def lead(self) -> int:
-    """Leading block axes of a per-stage field (`state.local`)."""
-    return 2 if self.sharded is None else 3
+    return fsdp.lead(self.sharded)
 
   @property
   def batch_axes(self):
-    """The axes a micro-batch is split over: 'data' (and 'fsdp')."""
-    return DATA if self.sharded is None else (DATA, fsdp.FSDP)
+    return fsdp.batch_axes(self.sharded, DATA)
 
   @property
   def num_stages(self) -> int:
@@ -186,11 +184,8 @@ def merged(ctx: Stages, s: int, gathered: packing.Flat, shards=None,
   """Stage s's whole tree from its members' packed parts gathered over
   'fsdp' (`[F, L]` per dtype): weights by default, or the optimizer
   state's (`shards`, `layout`)."""
-  shards = shards or ctx.sharded.params
-  layout = layout or ctx.params
-  return shards.merge(s, [layout.unpack(s, {k: v[i] for k, v in
-                                            gathered.items()})
-                          for i in range(shards.size)])
+  return (shards or ctx.sharded.params).merge_packed(
+      s, layout or ctx.params, gathered)
 
 
 def own_part(ctx: Stages, s: int, tree, shards=None, layout=None
