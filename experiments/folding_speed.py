@@ -13,6 +13,8 @@ interleaved rounds.
 
   python experiments/folding_speed.py --stages=1,2,4,8,16,32 --repeats=5
   taskset -c 0 python experiments/folding_speed.py ...   # one core
+  python experiments/folding_speed.py --stages=1,2,4,8,16 \
+      --schedules=interleaved-1f1b@slots,interleaved-1f1b@lanes  # tick cost
 
 Results: `folding_speed.json` under `--out_dir` and the figure
 `folding_speed.png` (the ratio against S, one line per schedule; into
@@ -37,8 +39,11 @@ from stalepipe.pipeline import executor
 STAGES = flags.DEFINE_list("stages", ["1", "2", "4", "8", "16", "32"],
                            "Stage counts S (each divides --blocks).")
 BLOCKS = flags.DEFINE_integer("blocks", 32, "Blocks of the model, fixed.")
-SCHEDULES = flags.DEFINE_list("schedules", ["1f1b", "pipedream"],
-                              "Schedules to fold.")
+SCHEDULES = flags.DEFINE_list(
+    "schedules", ["1f1b", "pipedream"],
+    "Schedules to fold; `name@tick` picks the executor's tick (`slots` or "
+    "`lanes`, `Pipeline(tick=)`; with one stage there is one slot, and "
+    "`lanes` runs the slots' tick).")
 REMAT = flags.DEFINE_enum("remat", "residuals", ["residuals", "recompute"],
                           "The executor's remat (recompute adds a forward).")
 WINDOW = flags.DEFINE_integer("window", 2, "Minibatches per window, B.")
@@ -79,10 +84,12 @@ def variants(S: int, x, y) -> dict:
   mesh = jax.make_mesh((1, 1), ("data", "stage"), devices=jax.devices()[:1])
   runs = {}
   for name in SCHEDULES.value:
-    schedule = executor_common.make_schedule(name, S, M, WINDOW.value)
+    base, _, tick = name.partition("@")
+    schedule = executor_common.make_schedule(base, S, M, WINDOW.value)
     pipe = executor.Pipeline(staged.stage_fns, cross_entropy, schedule,
                              optax.sgd(LR), mesh, remat=REMAT.value,
-                             layout=LAYOUT.value)
+                             layout=LAYOUT.value,
+                             tick="slots" if S == 1 else tick or "auto")
     step_fn, state, args = executor_common.step_function(
         pipe, pipe.init(staged.stage_params), x, y)
     box = [state]

@@ -46,20 +46,23 @@ def persistent_cache(tmp_path):
   jax.monitoring.unregister_event_listener(listener)
 
 
-def _run(name, D, P, S, sync, F=1, optimizer=lambda: optax.sgd(0.5)):
+def _run(name, D, P, S, sync, F=1, optimizer=lambda: optax.sgd(0.5),
+         tick="auto"):
   """Three windows of a new Pipeline (so a new jitted step, which the
   persistent cache serves where it holds it): every leaf of the state. F >
   1: each stage sharded over 'fsdp' (its gathers and reduce-scatters)."""
-  M = S if name == "1f1b" else 2
+  M = S if name == "1f1b" else 1 if name == "pipedream-v" else 2
+  options = ({"num_devices": P} if sp.schedules.takes_num_devices(name)
+             else {})
   schedule = sp.schedules.make(name, num_stages=S, num_microbatches=M,
-                               num_minibatches=2)
+                               num_minibatches=2, **options)
   staged = sp.models.split(sp.models.mlp(8, 6, S - 1, 4, seed=S), S)
   shape, axes = ((D, P, F), ("data", "stage", "fsdp")) if F > 1 else (
       (D, P), ("data", "stage"))
   mesh = jax.make_mesh(shape, axes, devices=jax.devices()[:D * P * F])
   pipe = executor.Pipeline(staged.stage_fns, cross_entropy, schedule,
                            optimizer(), mesh,
-                           sync=sync() if sync else None)
+                           sync=sync() if sync else None, tick=tick)
   state = pipe.init(staged.stage_params)
   rng = np.random.default_rng(0)
   for _ in range(3):
@@ -83,6 +86,12 @@ _CASES = {
     # update's cond)
     "1f1b_fsdp_model_scope": ("1f1b", 2, 2, 4, None, 2, lambda: optax.chain(
         optax.clip_by_global_norm(0.1), optax.adam(0.01))),
+    # the lanes' tick (`lanes.py`): tagged rows sent along +1 and -1 on a V
+    # placement, and along the loop with replicas
+    "pipedream_v_lanes": ("pipedream-v", 1, 4, 8, None, 1,
+                          lambda: optax.sgd(0.5), "lanes"),
+    "interleaved_lanes_replicas": ("interleaved-1f1b", 2, 2, 4, None, 1,
+                                   lambda: optax.sgd(0.5), "lanes"),
 }
 
 
@@ -92,7 +101,9 @@ _CASES = {
     pytest.param("pipedream_one_device", marks=pytest.mark.slow),
     pytest.param("1f1b_folded_replicas", marks=pytest.mark.slow),
     pytest.param("pipedream_fsdp", marks=pytest.mark.slow),
-    pytest.param("1f1b_fsdp_model_scope", marks=pytest.mark.slow)])
+    pytest.param("1f1b_fsdp_model_scope", marks=pytest.mark.slow),
+    "pipedream_v_lanes",
+    pytest.param("interleaved_lanes_replicas", marks=pytest.mark.slow)])
 def test_step_from_the_persistent_cache_equals_a_fresh_compile(
     persistent_cache, case):
   fresh = _run(*_CASES[case])

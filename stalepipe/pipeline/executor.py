@@ -47,6 +47,7 @@ from stalepipe.pipeline import contract
 from stalepipe.pipeline import dispatch
 from stalepipe.pipeline import forward_only
 from stalepipe.pipeline import fsdp as fsdp_lib
+from stalepipe.pipeline import lanes as lanes_lib
 from stalepipe.pipeline import packing
 from stalepipe.pipeline import placement as placement_lib
 from stalepipe.pipeline import program as program_lib
@@ -115,8 +116,16 @@ def run_window(ctx: tick_lib.Stages, state: PipelineState, inputs, targets,
   table = tick_lib.with_closing_tick(jax.tree.map(
       lambda c: jax.lax.dynamic_index_in_dim(c, jnp.minimum(step, K - 1),
                                              keepdims=False), tables))
-  carries, _ = jax.lax.scan(functools.partial(tick_lib.tick, ctx, window),
-                            carries, (table, tick_lib.last_tick(table)))
+  xs = (table, tick_lib.last_tick(table))
+  if ctx.lanes is None:
+    carries, _ = jax.lax.scan(functools.partial(tick_lib.tick, ctx, window),
+                              carries, xs)
+  else:  # a device runs its busy slots only (`lanes.py`)
+    slots = jnp.asarray(ctx.lanes)[jnp.minimum(step, K - 1)]
+    slots = jnp.concatenate([slots, jnp.full_like(slots[:1], -1)])
+    carry, _ = jax.lax.scan(functools.partial(lanes_lib.tick, ctx, window),
+                            lanes_lib.stack(ctx, carries), (*xs, slots))
+    carries = lanes_lib.unstack(ctx, carry)
   total = lambda get: jax.lax.psum(sum(get(c) for c in carries), STAGE)  # pylint: disable=unnecessary-lambda-assignment
   num_losses = total(lambda c: c.num_losses)
   mean = lambda value: jax.lax.pmean(value, ctx.batch_axes) / jnp.where(  # pylint: disable=unnecessary-lambda-assignment
@@ -242,6 +251,13 @@ class Pipeline:
     fsdp_gather: "task" (each task all-gathers the version it reads) or
       "window" (each slot's version gathered once a window, where every
       task of it reads that one: `fsdp.check_gather`).
+    tick: "slots" (every slot of a device runs its conditionals every
+      tick), "lanes" (a device runs only its busy slots, one lane each, on
+      its slots held as one array: a device-level schedule's tick costs one
+      task, not one per chunk; `lanes.py`) or "auto" (default: "lanes"
+      where a device has 16 times more slots than it ever runs at once,
+      unsharded, optimizer_scope "stage": below that the slots' tick is
+      faster on the CPU). Both train the same numbers.
 
   Examples:
     >>> import jax, optax, stalepipe as sp
@@ -262,7 +278,7 @@ class Pipeline:
                layout: str = "packed", optimizer_scope: str = "auto",
                seed: int = 0, placement: str | None = None,
                tied: Sequence[str] = (), fsdp_rule: fsdp_lib.Rule | None = None,
-               fsdp_gather: str = "task"):
+               fsdp_gather: str = "task", tick: str = "auto"):
     if tuple(mesh.axis_names) not in ((DATA, STAGE), (DATA, STAGE, FSDP)):
       raise ValueError(f"mesh axes {tuple(mesh.axis_names)} are invalid; "
                        f"valid: ({DATA!r}, {STAGE!r}) or ({DATA!r}, "
@@ -302,9 +318,19 @@ class Pipeline:
     self.program = program_lib.compile_program(
         schedule, ring_groups=self.placement.stages.T)
     self._stale_schedule = contract.schedule_is_stale(schedule)
+    lanes = lanes_lib.plan(self.program, self.placement.stages)
+    self._lanes = lanes if lanes_lib.check(
+        tick, self.placement.num_slots, sharded,
+        self.optimizer_scope == "model", lanes) else None
     self._param_packing = self._opt_packing = self._state_packing = None
     self._steps, self._contexts = {}, {}
     self._tables = self._static_plan = None
+
+  @property
+  def lanes(self) -> int | None:
+    """Slots a device runs per tick with the lanes' tick (`lanes.py`);
+    None: the slots' tick, every slot every tick."""
+    return None if self._lanes is None else self._lanes.shape[-1]
 
   @property
   def num_replicas(self) -> int:
@@ -848,7 +874,7 @@ class Pipeline:
         whole_model=self.optimizer_scope == "model",
         states=self._state_packing, objective=objective,
         placement=self.placement, tied=self.tied, sharded=self._sharded,
-        gather_once=self.fsdp_gather == "window")
+        gather_once=self.fsdp_gather == "window", lanes=self._lanes)
 
   def _bound_input(self, s: int, x):
     """Stage s's input `x` (shapes) as its bound function takes it

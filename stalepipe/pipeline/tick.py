@@ -88,6 +88,8 @@ class Stages(NamedTuple):
   #   (`fsdp.py`); None: a stage on one device
   gather_once: bool = False  # a sharded stage's version gathered once a
   #   window (`fsdp.check_gather`), else once a task
+  lanes: Any = None  # int32 [K, T, P, L]: the slot each of a device's L
+  #   lanes runs per tick (`lanes.py`); None: every slot, every tick
 
   @property
   def lead(self) -> int:
@@ -124,6 +126,11 @@ class Window(NamedTuple):
   #   all-gathered over 'fsdp', dtype -> [F, L] (`fsdp.gather`)
   once: tuple = ()  # with `gather_once`: every slot's version, gathered
   #   before the window's first tick
+  choice: Any = None  # int32 []: which of `candidates` this device runs
+  row0: Any = 0  # int32 []: the slot's first buffer row (the lanes' tick
+  #   reads a device's slots' buffers as one array, `lanes.py`)
+  lane: Any = None  # int32 []: with the lanes' tick, the slot running, whose
+  #   row of the stacked accumulator a task adds to; None: the slots' tick
 
 
 def at_slot(ctx: Stages, window: Window, j: int) -> Window:
@@ -131,7 +138,8 @@ def at_slot(ctx: Stages, window: Window, j: int) -> Window:
   the devices hold in slot j (one per device), which dispatch picks from."""
   candidates = ctx.placement.stages[:, j]
   return window._replace(stage=jnp.asarray(candidates)[window.device],
-                         candidates=tuple(int(s) for s in candidates))
+                         candidates=tuple(int(s) for s in candidates),
+                         choice=window.device)
 
 
 class TaskOutput(NamedTuple):
@@ -223,7 +231,7 @@ def predicted_part(ctx: Stages, carry: TickCarry, instr, window: Window
         ctx.opt.unpack(s, opt_state), ctx.params.unpack(s, f), **counts)), ()
 
   out, _ = ctx.lowering(
-      window.device, 1, [[lambda f, o: (f, ()),
+      window.choice, 1, [[lambda f, o: (f, ()),
                           lambda f, o, s=s: predict(s, f, o)]
                          for s in window.candidates], flat, carry.opt_state)
   return out
@@ -332,8 +340,10 @@ def idle(ctx: Stages, carry: TickCarry, instr, window: Window):
 
 
 def slot_of(ctx: Stages, instr, window: Window, offset: int = 0):
-  """The buffer slot of the task's micro-batch `offset`."""
-  return (instr.slot + window.base + offset) % ctx.program.num_slots
+  """The buffer slot of the task's micro-batch `offset` (its row, after
+  `window.row0`)."""
+  return ((instr.slot + window.base + offset) % ctx.program.num_slots
+          + window.row0)
 
 
 def forward(ctx: Stages, s: int, carry: TickCarry, instr, window: Window):
@@ -504,7 +514,7 @@ def run_tasks(ctx: Stages, carry: TickCarry, instr, window: Window):
     position[codes] = np.arange(1, len(codes) + 1)
     rows = [[lambda *a, fn=branches[s][code]: gradient(*fn(*a))
              for code in [0] + codes] for s in window.candidates]
-    return ctx.lowering(window.device, jnp.asarray(position)[instr.kind],
+    return ctx.lowering(window.choice, jnp.asarray(position)[instr.kind],
                         rows, c._replace(grads=(), grads_spent=()), instr,
                         window)
 
@@ -514,6 +524,9 @@ def run_tasks(ctx: Stages, carry: TickCarry, instr, window: Window):
     if ctx.sharded is not None:  # reduce-scattered outside, `add_gradient`
       return done._replace(grads=c.grads, grads_spent=c.grads_spent), (
           output, gradient)
+    if window.lane is not None:  # the slots' accumulators, `[v, L]`
+      return done._replace(**stacked_sum(c, window.lane,
+                                         ctx.params.join(gradient))), output
     grads = jax.tree.map(jnp.add, accumulated(c), ctx.params.join(gradient))
     return done._replace(grads=grads, grads_spent=jnp.zeros((), bool)), output
 
@@ -527,6 +540,18 @@ def run_tasks(ctx: Stages, carry: TickCarry, instr, window: Window):
     return not_adding(carry)
   return jax.lax.cond(jnp.isin(instr.kind, np.asarray(adds)), adding,
                       not_adding, carry)
+
+
+def stacked_sum(carry: TickCarry, slot, gradient) -> dict:
+  """`accumulated` plus `gradient` on row `slot` of the slots' stacked
+  accumulators (the lanes' tick, `lanes.py`), written in place: a tick that
+  adds no gradient reads and writes none of them."""
+  spent = carry.grads_spent[slot]
+  return {"grads": jax.tree.map(
+      lambda g, n: g.at[slot].set(jnp.where(spent, jnp.zeros((), g.dtype),
+                                            g[slot]) + n),
+      carry.grads, gradient),
+          "grads_spent": carry.grads_spent.at[slot].set(False)}
 
 
 def gradient_codes(ctx: Stages) -> list[int]:
@@ -770,7 +795,7 @@ def apply_update(ctx: Stages, window: Window, carry: TickCarry, instr, grads,
   collectives run once, outside any stage-dependent branch.
   """
   (params, opt_state), _ = ctx.lowering(
-      window.device, 1,
+      window.choice, 1,
       [[lambda c, g, i: ((read_version(c.ring, 0), c.opt_state), ()),
         lambda c, g, i, s=s: (step(s, c, g, i), ())]
        for s in window.candidates], carry, grads, instr)
