@@ -548,8 +548,7 @@ def stacked_sum(carry: TickCarry, slot, gradient) -> dict:
   adds no gradient reads and writes none of them."""
   spent = carry.grads_spent[slot]
   return {"grads": jax.tree.map(
-      lambda g, n: g.at[slot].set(jnp.where(spent, jnp.zeros((), g.dtype),
-                                            g[slot]) + n),
+      lambda g, n: g.at[slot].set(jnp.where(spent, n, g[slot] + n)),
       carry.grads, gradient),
           "grads_spent": carry.grads_spent.at[slot].set(False)}
 
