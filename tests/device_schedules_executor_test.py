@@ -275,6 +275,9 @@ def test_pipedream_on_chunks_trains_its_version_map(name, P):
     pytest.param("pipedream-v", "spectrain", 2, 2, marks=pytest.mark.slow),
     pytest.param("pipedream-v", "wp3", 2, 2, marks=pytest.mark.slow),
     pytest.param("pipedream-interleaved", "nesterov", 2, 2,
+                 marks=pytest.mark.slow),
+    pytest.param("pipedream-v", "pipemare", 2, 2, marks=pytest.mark.slow),
+    pytest.param("pipedream-interleaved", "pipemare", 2, 2,
                  marks=pytest.mark.slow)])
 def test_pipedream_on_chunks_executor_equals_the_oracle(name, rule, P,
                                                         devices):
@@ -294,7 +297,10 @@ def test_pipedream_on_chunks_executor_equals_the_oracle(name, rule, P,
            "wp3": lambda: sp.optim.WeightPrediction(
                optax.sgd(0.3, 0.9), option=3, num_workers=D, lam=0.2),
            "nesterov": lambda: optax.chain(
-               sp.optim.scale_by_async_nesterov(), optax.scale(-0.05))}
+               sp.optim.scale_by_async_nesterov(), optax.scale(-0.05)),
+           # T1 over each chunk's own staleness; T2 (b = 0 with stashing)
+           "pipemare": lambda: sp.optim.PipeMare(
+               optax.sgd(0.3), warmup_steps=4, decay=0.5)}
   mesh = jax.make_mesh((D, devices), ("data", "stage"),
                        devices=jax.devices()[:D * devices])
   pipe = executor.Pipeline(staged.stage_fns, cross_entropy, schedule,
@@ -315,3 +321,37 @@ def test_pipedream_on_chunks_executor_equals_the_oracle(name, rule, P,
     gap = jax.tree.map(lambda a, b: float(jnp.abs(a - b).max()),
                        ref.params(rs), pipes[2].params(state))
     assert max(jax.tree.leaves(gap)) > 1e-4
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["pipedream-v", "pipedream-interleaved"])
+def test_basis_rotation_on_chunks_equals_the_fold_onto_one_device(name):
+  """Basis rotation turns rounding into steps where a gradient is rank-
+  deficient (docs/optim.md), so, as for folding (`folding_test.py`), it is
+  held in float64 to the same table folded onto one device, on the
+  schedule's own devices with each tick (slots, lanes)."""
+  schedule = _make(name, 2, 1)
+  S = schedule.num_stages
+  staged = sp.models.split(sp.models.mlp(8, 6, S - 1, 4, seed=S), S)
+  runs = []
+  with jax.enable_x64(True):
+    staged = staged._replace(stage_params=jax.tree.map(
+        lambda p: np.asarray(p, np.float64), staged.stage_params))
+    for devices, tick in ((1, "slots"), (2, "slots"), (2, "lanes")):
+      mesh = jax.make_mesh((1, devices), ("data", "stage"),
+                           devices=jax.devices()[:devices])
+      pipe = executor.Pipeline(
+          staged.stage_fns, cross_entropy, schedule,
+          sp.optim.basis_rotation_adam(0.01, precondition_frequency=2),
+          mesh, tick=tick)
+      state = pipe.init(staged.stage_params)
+      for x, y in _windows(3, 2, 1, 2):
+        state, _ = pipe.step(state, x.astype(np.float64), y)
+      runs.append(pipe.params(state))
+  start = jax.tree.leaves(staged.stage_params)
+  assert max(float(np.abs(a - b).max()) for a, b in zip(
+      jax.tree.leaves(runs[0]), start, strict=True)) > 1e-3  # it trained
+  for other in runs[1:]:
+    for a, b in zip(jax.tree.leaves(runs[0]), jax.tree.leaves(other),
+                    strict=True):
+      np.testing.assert_allclose(a, b, atol=1e-10, rtol=1e-10)
