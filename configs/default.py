@@ -101,6 +101,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # "recompute": a backward task recomputes its forward from the kept input;
   # "residuals": the forward keeps its jax.vjp residuals (more memory).
   config.remat = "recompute"
+  # How a tick runs a device's slots (stalepipe.pipeline.lanes): "auto",
+  # "slots" (every slot every tick) or "lanes" (only the busy ones; the same
+  # numbers, and the same checkpoints).
+  config.tick = "auto"
   # What the update rule steps on (stalepipe.pipeline.scope): "auto" (the
   # whole model where the rule couples stages, e.g. grad_clip_norm), "model"
   # or "stage" (each stage's own tree).

@@ -26,6 +26,7 @@ sys.path.insert(0, str(ROOT))
 
 from configs import default  # pylint: disable=g-import-not-at-top
 from configs import hetpipe_wsp  # pylint: disable=g-import-not-at-top
+from configs import pipedream_v  # pylint: disable=g-import-not-at-top
 from stalepipe.train import checkpoint  # pylint: disable=g-import-not-at-top
 from stalepipe.train import hooks  # pylint: disable=g-import-not-at-top
 from stalepipe.train import trainer  # pylint: disable=g-import-not-at-top
@@ -122,6 +123,26 @@ def test_extending_num_steps_continues_the_run(tmp_path):
                              str(extended))
   trainer.train_and_evaluate(tiny(schedule="pipedream"), str(extended))
   want, got = params_of(straight), params_of(extended)
+  for key in want:
+    np.testing.assert_array_equal(got[key], want[key], err_msg=key)
+
+
+@pytest.mark.slow
+def test_a_run_resumes_under_the_other_tick_bit_for_bit(tmp_path):
+  """The lanes' tick holds the same state as the slots' (`lanes.py`), so a
+  run stopped under one resumes under the other (`tick` may change)."""
+  straight, switched = tmp_path / "straight", tmp_path / "switched"
+  def config(**overrides):  # two chunks on each of 2 devices
+    c = tiny(pipedream_v, num_stages=4, num_microbatches=1,
+             microbatch_size=8, **overrides)
+    c.model_kwargs.num_hidden_layers = 3  # a block a chunk
+    return c
+
+  trainer.train_and_evaluate(config(tick="slots"), str(straight))
+  trainer.train_and_evaluate(config(tick="lanes", num_steps=NUM_WINDOWS),
+                             str(switched))
+  trainer.train_and_evaluate(config(tick="slots"), str(switched))
+  want, got = params_of(straight), params_of(switched)
   for key in want:
     np.testing.assert_array_equal(got[key], want[key], err_msg=key)
 

@@ -83,7 +83,8 @@ _SLOW = pytest.mark.slow
 
 @pytest.mark.parametrize("name,D,P,devices,optimizer,remat,lanes_", [
     # one device: 2 lanes over 4 slots
-    ("interleaved-1f1b", 1, 2, 1, lambda: optax.adam(1e-2), "recompute", 2),
+    pytest.param("interleaved-1f1b", 1, 2, 1, lambda: optax.adam(1e-2),
+                 "recompute", 2, marks=_SLOW),
     # the V's hops run both ways; stale reads and compensation
     ("pipedream-v", 1, 4, 4, _dc, "recompute", 1),
     # a split backward: the residual and op-cotangent rows, replicas

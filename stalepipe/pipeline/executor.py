@@ -80,6 +80,22 @@ def state_specs(state: PipelineState, device: P = _PER_DEVICE,
       drained=None if state.drained is None else P())
 
 
+def _ticks(ctx: tick_lib.Stages, window: tick_lib.Window, carries: tuple,
+           table: program_lib.Instructions) -> tuple:
+  """The window's loop over its ticks (`table`, with its closing tick): the
+  slots' tick, or the lanes' (`lanes.py`) on the slots stacked for it."""
+  xs = (table, tick_lib.last_tick(table))
+  if ctx.lanes is None:
+    return jax.lax.scan(functools.partial(tick_lib.tick, ctx, window),
+                        carries, xs)[0]
+  K = ctx.lanes.shape[0]
+  slots = jnp.asarray(ctx.lanes)[jnp.minimum(window.step, K - 1)]
+  slots = jnp.concatenate([slots, jnp.full_like(slots[:1], -1)])
+  carry, _ = jax.lax.scan(functools.partial(lanes_lib.tick, ctx, window),
+                          lanes_lib.stack(ctx, carries), (*xs, slots))
+  return lanes_lib.unstack(ctx, carry)
+
+
 def run_window(ctx: tick_lib.Stages, state: PipelineState, inputs, targets,
                tables: program_lib.Instructions, plan: dict):
   """The shard_map body: one window's ticks on one device.
@@ -116,16 +132,7 @@ def run_window(ctx: tick_lib.Stages, state: PipelineState, inputs, targets,
   table = tick_lib.with_closing_tick(jax.tree.map(
       lambda c: jax.lax.dynamic_index_in_dim(c, jnp.minimum(step, K - 1),
                                              keepdims=False), tables))
-  xs = (table, tick_lib.last_tick(table))
-  if ctx.lanes is None:
-    carries, _ = jax.lax.scan(functools.partial(tick_lib.tick, ctx, window),
-                              carries, xs)
-  else:  # a device runs its busy slots only (`lanes.py`)
-    slots = jnp.asarray(ctx.lanes)[jnp.minimum(step, K - 1)]
-    slots = jnp.concatenate([slots, jnp.full_like(slots[:1], -1)])
-    carry, _ = jax.lax.scan(functools.partial(lanes_lib.tick, ctx, window),
-                            lanes_lib.stack(ctx, carries), (*xs, slots))
-    carries = lanes_lib.unstack(ctx, carry)
+  carries = _ticks(ctx, window, carries, table)
   total = lambda get: jax.lax.psum(sum(get(c) for c in carries), STAGE)  # pylint: disable=unnecessary-lambda-assignment
   num_losses = total(lambda c: c.num_losses)
   mean = lambda value: jax.lax.pmean(value, ctx.batch_axes) / jnp.where(  # pylint: disable=unnecessary-lambda-assignment

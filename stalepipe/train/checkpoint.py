@@ -34,7 +34,8 @@ from jax.experimental import multihost_utils
 # Fields that may change between a run and its resumption.
 RESUMABLE_CHANGES = frozenset({"num_steps", "log_every", "eval_every",
                                "checkpoint_every", "keep_checkpoints",
-                               "plots", "hooks", "device_memory_mib"})
+                               "plots", "hooks", "device_memory_mib",
+                               "tick"})
 # Fields newer than some checkpoints: a checkpoint without one was written
 # with this value of it.
 ABSENT_MEANS = {"fsdp": 1}

@@ -32,6 +32,7 @@ from stalepipe import schedules
 from stalepipe import sync as sync_lib
 from stalepipe.models import losses
 from stalepipe.pipeline import placement as placement_lib
+from stalepipe.pipeline import lanes as lanes_lib
 from stalepipe.pipeline import residuals as residuals_lib
 from stalepipe.pipeline import scope as scope_lib
 from stalepipe.train import optimizers
@@ -269,6 +270,9 @@ def _check_remat(config) -> None:
     _check_range("remat", config.remat,
                  (lambda v: v in residuals_lib.REMATS,
                   " or ".join(map(repr, residuals_lib.REMATS))))
+  if "tick" in config:
+    _check_range("tick", config.tick, (lambda v: v in lanes_lib.TICKS,
+                                       " or ".join(map(repr, lanes_lib.TICKS))))
 
 
 def stage_devices(config) -> int:
