@@ -115,36 +115,37 @@ def test_sigterm_then_resume_equals_straight_run(tmp_path, name):
   assert steps == list(range(2, NUM_WINDOWS * 2 + 1, 2))
 
 
-@pytest.mark.slow
-def test_extending_num_steps_continues_the_run(tmp_path):
-  straight, extended = tmp_path / "straight", tmp_path / "extended"
-  trainer.train_and_evaluate(tiny(schedule="pipedream"), str(straight))
-  trainer.train_and_evaluate(tiny(schedule="pipedream", num_steps=NUM_WINDOWS),
-                             str(extended))
-  trainer.train_and_evaluate(tiny(schedule="pipedream"), str(extended))
-  want, got = params_of(straight), params_of(extended)
+def _halves_equal_straight(tmp_path, first, then):
+  """A run of config `then`, and one of `first` for half its windows
+  resumed under `then`, end with the same parameters bit for bit."""
+  straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+  trainer.train_and_evaluate(then, str(straight))
+  trainer.train_and_evaluate(first, str(resumed))
+  trainer.train_and_evaluate(then, str(resumed))
+  want, got = params_of(straight), params_of(resumed)
   for key in want:
     np.testing.assert_array_equal(got[key], want[key], err_msg=key)
+
+
+@pytest.mark.slow
+def test_extending_num_steps_continues_the_run(tmp_path):
+  _halves_equal_straight(
+      tmp_path, tiny(schedule="pipedream", num_steps=NUM_WINDOWS),
+      tiny(schedule="pipedream"))
 
 
 @pytest.mark.slow
 def test_a_run_resumes_under_the_other_tick_bit_for_bit(tmp_path):
   """The lanes' tick holds the same state as the slots' (`lanes.py`), so a
   run stopped under one resumes under the other (`tick` may change)."""
-  straight, switched = tmp_path / "straight", tmp_path / "switched"
   def config(**overrides):  # two chunks on each of 2 devices
     c = tiny(pipedream_v, num_stages=4, num_microbatches=1,
              microbatch_size=8, **overrides)
     c.model_kwargs.num_hidden_layers = 3  # a block a chunk
     return c
 
-  trainer.train_and_evaluate(config(tick="slots"), str(straight))
-  trainer.train_and_evaluate(config(tick="lanes", num_steps=NUM_WINDOWS),
-                             str(switched))
-  trainer.train_and_evaluate(config(tick="slots"), str(switched))
-  want, got = params_of(straight), params_of(switched)
-  for key in want:
-    np.testing.assert_array_equal(got[key], want[key], err_msg=key)
+  _halves_equal_straight(tmp_path, config(tick="lanes", num_steps=NUM_WINDOWS),
+                         config(tick="slots"))
 
 
 def _steps(workdir):
