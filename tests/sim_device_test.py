@@ -10,6 +10,7 @@ import pytest
 
 import stalepipe as sp
 from sim_engine_test import assert_same
+from stalepipe import theory
 from stalepipe.schedules import kinds
 from stalepipe.sim import reference
 
@@ -18,13 +19,12 @@ S = V * P
 FREE = sp.sim.Link(np.inf, 0.0)  # zero-cost links
 UNIT = {"F": 1.0, "B": 1.0, "W": 0.0}  # F = B = 1, an unsplit backward
 SPLIT = {"F": 1.0, "B": 2.0, "W": 1.0}  # F = BI = BW = 1 (B = BI + BW = 2)
-# name, options, unit costs, ticks a minibatch takes, each device's idle ticks
+# name, options, unit costs, ticks a minibatch takes (closed forms)
 CLOSED_FORMS = [
-    ("interleaved-1f1b", {"num_devices": P}, UNIT, 2 * (V * M + P - 1),
-     [2 * (P - 1)] * P),
-    ("zb-v", {}, SPLIT, 3 * V * M + P - 1, [P - 1] * P),
-    ("dualpipev", {}, SPLIT, 4 * M + 3 * P, [min(r + 1, P - 1)
-                                             for r in range(P)]),
+    ("interleaved-1f1b", {"num_devices": P}, UNIT,
+     theory.interleaved_1f1b_makespan(P, V, M)),
+    ("zb-v", {}, SPLIT, theory.zero_bubble_v_makespan(P, M)),
+    ("dualpipev", {}, SPLIT, 4 * M + 3 * P),  # docs/schedules.md
 ]
 # name, options, micro-batches, minibatches: every device-level schedule
 DEVICE_LEVEL = [
@@ -144,26 +144,31 @@ def plain_walk(schedule, cluster, costs):
           np.array([end[t] for t in schedule.tasks]))
 
 
-@pytest.mark.parametrize("name,kw,unit,ticks,idle", CLOSED_FORMS)
-def test_unit_costs_give_the_closed_forms(name, kw, unit, ticks, idle):
+@pytest.mark.parametrize("name,kw,unit,ticks", CLOSED_FORMS)
+def test_unit_costs_give_the_closed_forms(name, kw, unit, ticks):
+  """Makespan, and each device's busy and idle seconds, as its ticks."""
   s = sp.schedules.make(name, num_stages=S, num_microbatches=M, **kw)
   costs = unit_costs(unit)
   r = sp.sim.simulate(s, sp.sim.Cluster.grid(1, P, intra=FREE, inter=FREE),
                       costs)
   assert r.makespan == ticks == s.num_ticks
-  np.testing.assert_array_equal(r.device_idle[0], idle)
   np.testing.assert_array_equal(r.device_busy[0], device_seconds(s, costs))
-  np.testing.assert_array_equal(r.device_busy[0],
-                                s.device_busy.sum(axis=0) * 1.0)
+  np.testing.assert_array_equal(r.device_busy[0], s.device_busy.sum(axis=0))
+  np.testing.assert_array_equal(r.device_idle[0],
+                                s.num_ticks - s.device_busy.sum(axis=0))
 
 
 def test_dualpipev_idles_its_readme_bubble():
-  """DeepSeek's (PP/2 - 1)(F&B + B - 3W): the last devices' idle time."""
+  """Device r idles min(r + 1, P - 1) (docs/schedules.md); the last ones
+  DeepSeek's (PP/2 - 1)(F&B + B - 3W)."""
   F, B, W = SPLIT["F"], SPLIT["B"], SPLIT["W"]
   s = sp.schedules.make("dualpipev", num_stages=S, num_microbatches=M)
   r = sp.sim.simulate(s, sp.sim.Cluster.grid(1, P, intra=FREE, inter=FREE),
                       unit_costs(SPLIT))
-  assert r.device_idle[0].max() == (P - 1) * (max(F, B) + B - 3 * W)
+  np.testing.assert_array_equal(r.device_idle[0],
+                                [min(d + 1, P - 1) for d in range(P)])
+  assert r.device_idle[0].max() == theory.dualpipev_bubble(
+      P, t_f_and_b=max(F, B), t_b=B, t_w=W)
   assert r.overlap[0].sum() == F * len(s.overlapped)
 
 
