@@ -331,11 +331,11 @@ def test_pipedream_on_chunks_refusals(name, kw, message):
   assert "\n" not in str(e.value)
 
 
-def test_the_simulator_refuses_a_device_level_schedule():
-  """It gives every stage a device; chunks sharing one would be timed as if
-  they ran side by side."""
+def test_the_simulator_times_a_device_level_schedule_on_its_devices():
+  """Its chunks share the schedule's P devices (tests/sim_device_test.py), so
+  a cluster of one device a stage is refused."""
   s = make("zb-v", 2, 4, B=2)
-  with pytest.raises(ValueError, match=r"^schedule 'zb-v' is device-level "
-                     r"\(its 4 stages on 2 devices, v placement\); valid: a "
-                     r"stage-level schedule"):
+  with pytest.raises(ValueError, match=r"^cluster has 4 stages \(devices a "
+                     r"pipeline\); valid: 2, the devices of device-level "
+                     r"schedule 'zb-v' \(4 stages, v placement\)$"):
     sp.sim.simulate(s, sp.sim.Cluster.grid(1, 4), sp.sim.StageCosts.uniform(4))

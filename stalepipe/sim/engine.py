@@ -4,13 +4,15 @@ Every pipeline replays the schedule's per-stage task order (the order of
 `schedule.tasks` on each stage) with durations from the cost model. A task
 starts when all of these hold:
 
-- its device is free: after the previous task of the stage; before the
-  first task of an iteration, also after the worker's own sync of its last
-  update (Algorithm 1 of seed 002: step B ends an iteration) and a
+- its device is free: after the previous task of the stage (of the
+  device, for a device-level schedule: its chunks' tasks in schedule order);
+  before the first task of an iteration, also after the worker's own sync of
+  its last update (Algorithm 1 of seed 002: step B ends an iteration) and a
   straggler's sleep;
 - its input has arrived: F(p, m) on `s` after F(p, m) on `s-1` plus the
   activation transfer, B(p, m) on `s` after B/FB(p, m) on `s+1` plus the
-  gradient transfer, a last-stage B after its own F;
+  gradient transfer, a last-stage B after its own F; no transfer between
+  two chunks of one device;
 - the version it reads is in place: stage `s` has applied that many updates
   (the update of minibatch `p` follows the last backward of `p` on `s`, in
   minibatch order, and then the sync policy's exchange);
@@ -22,6 +24,10 @@ starts when all of these hold:
   \text{transfer},\ \text{applied}_{s,v},\ \text{gate}),\quad
   \text{end} = \text{start}
   + \frac{c_{kind,s} \cdot \text{slowdown}}{\text{speed}}
+
+The two tasks of an overlapped pair (DualPipe's F&B) start together, when
+both are ready, and free the device when the later ends: a pair of a
+forward and a backward takes :math:`\max(c_F, c_B)`.
 
 Since every pipeline runs the same per-stage order, each task is a few NumPy
 operations over all pipelines, written in place; events are processed in the
@@ -54,6 +60,7 @@ References:
   Miao et al, SDPipe <https://doi.org/10.14778/3598581.3598604>, 2023, §3, §5
 """
 
+import dataclasses
 import functools
 import operator
 from typing import NamedTuple, Sequence
@@ -85,16 +92,22 @@ class Program(NamedTuple):
   cost_class: np.ndarray  # [T] int, kind * S + stage: tasks of equal base
   backward_version: np.ndarray  # [S, B] oldest version a backward reads
   first_task: np.ndarray  # [S, B] index of the first task
+  device: np.ndarray  # [T] int, the device that runs the task (its stage's)
+  lead: np.ndarray  # [T] int, for the later task of an overlapped pair the
+  #   earlier one; -1 otherwise
 
 
 def compile_schedule(schedule: core.Schedule,
                      costs: cluster_lib.StageCosts) -> Program:
   """The schedule's dependencies, versions and costs as `[tasks]` arrays.
 
+  A device-level schedule's stages sit on its devices (`device_of`); an
+  input made on the same device crosses no link.
+
   Raises:
     ValueError: a task runs before the task whose output it needs, a stage
-      finishes its minibatches' backwards out of order, or a task reads a
-      version before it is applied.
+      finishes its minibatches' backwards out of order, a task reads a
+      version before it is applied, or an overlapped pair closes an update.
   """
   S, B, M = (schedule.num_stages, schedule.num_minibatches,
              schedule.num_microbatches)
@@ -147,6 +160,9 @@ def compile_schedule(schedule: core.Schedule,
   boundary = np.full(T, -1)
   boundary[receives] = stage[receives] - 1
   boundary[returns] = stage[returns]
+  on_device = device_of(schedule)
+  crosses = boundary >= 0
+  boundary[crosses & (on_device[boundary] == on_device[boundary + 1])] = -1
   volume = np.zeros(T)
   volume[receives] = 1
   volume[returns] = covered[returns]
@@ -181,7 +197,40 @@ def compile_schedule(schedule: core.Schedule,
                  volume=volume, version=version, first=first, own=own,
                  trigger=trigger, base=base, cost_class=kind * S + stage,
                  backward_version=backward_version.reshape(S, B),
-                 first_task=first_task.reshape(S, B))
+                 first_task=first_task.reshape(S, B),
+                 device=on_device[stage], lead=pairs(schedule, trigger))
+
+
+def device_of(schedule: core.Schedule) -> np.ndarray:
+  """`[S]` the device of each stage: its own for a stage-level schedule,
+  `placed.stages[d, j] = s` for a device-level one."""
+  if schedule.placed is None:
+    return np.arange(schedule.num_stages)
+  stages = schedule.placed.stages
+  out = np.empty(stages.size, np.int64)
+  out[stages] = np.arange(len(stages))[:, None]
+  return out
+
+
+def pairs(schedule: core.Schedule, trigger: np.ndarray) -> np.ndarray:
+  """`[T]` for the later (in schedule order) task of each overlapped F&B
+  pair, the index of the earlier; -1 elsewhere.
+
+  Raises:
+    ValueError: a pair's task closes an update (the walk moves the earlier
+      task's start once the later is ready, after its update would be timed).
+  """
+  lead = np.full(len(trigger), -1)
+  if not schedule.overlapped:
+    return lead
+  index = {t: i for i, t in enumerate(schedule.tasks)}
+  for pair in schedule.overlapped:
+    i, j = sorted(index[t] for t in pair)
+    if trigger[i] or trigger[j]:
+      raise ValueError(f"overlapped pair {pair} of schedule {schedule.name!r} "
+                       "closes an update; valid: pairs of tasks that close none")
+    lead[j] = i
+  return lead
 
 
 def check_update_order(last_backward: np.ndarray, name: str) -> None:
@@ -224,11 +273,11 @@ def simulate(schedule: core.Schedule, cluster: cluster_lib.Cluster,
     >>> round(r.makespan, 3), s.num_ticks
     (8.0, 8)
   """
-  policy, runner, delay, scale, update = start_run(
+  policy, runner, delay, scale, update, chunks = start_run(
       schedule, cluster, costs, policy, perturbations, seed)
   S, B, N = schedule.num_stages, schedule.num_minibatches, cluster.num_pipelines
   plan = compile_schedule(schedule, costs)
-  links, link_of = _transfers(plan, cluster, costs)
+  links, link_of = _transfers(plan, chunks, costs)
   walk = _Walk.of(plan, links, link_of, gates=runner.gates)
   applied = np.full((S, B + 1, N), np.inf)
   applied[:, 0] = 0.0
@@ -267,16 +316,31 @@ def simulate(schedule: core.Schedule, cluster: cluster_lib.Cluster,
   return finish_run(schedule, cluster, costs, policy, runner,
                     task_times=task_times, end_max=last_end, applied=applied,
                     local_end=local_end, reflected=syncs.reflected, busy=busy,
-                    wait=wait, delay=delay, update=update, comm=syncs.comm)
+                    wait=wait, delay=delay, update=update, comm=syncs.comm,
+                    overlap=_overlap(plan, scale, walk.num_devices))
+
+
+def _overlap(plan: Program, scale: np.ndarray, P: int) -> np.ndarray:
+  r"""`[P, N]` seconds the overlapped pairs' tasks ran together on each
+  device: :math:`\min(c_F, c_B)` per pair, which the device's busy time
+  counts once (the pair takes :math:`\max(c_F, c_B)`)."""
+  later = np.flatnonzero(plan.lead >= 0)
+  earlier = plan.lead[later]
+  seconds = [plan.base[i, None] * scale[plan.minibatch[i], plan.stage[i]]
+             for i in (earlier, later)]
+  out = np.zeros((P, scale.shape[2]))
+  np.add.at(out, plan.device[later], np.minimum(*seconds))
+  return out
 
 
 class _Walk(NamedTuple):
   """The program as Python lists for the task loop, plus what it derives.
 
   A task's input is in when the device is free if its dependency ran on its
-  own stage; so is a version no newer than one an earlier task of the stage
+  own device; so is a version no newer than one an earlier task of the stage
   read (`_reads_new_version`): `link` is -1 and `checks` False there, and
-  the loop skips those maxima.
+  the loop skips those maxima. Both tasks of an overlapped pair check, so
+  that each keeps its own ready time.
   """
 
   plan: Program
@@ -284,6 +348,9 @@ class _Walk(NamedTuple):
   stage: list  # [T] int
   minibatch: list  # [T] int
   dep: list  # [T] int, the dependency's row in a ring of `window` rows
+  device: list  # [T] int
+  pair: list  # [T] int: 0 alone, 1 the earlier, 2 the later task of a pair
+  lead: list  # [T] int, the earlier task of the later one's pair
   link: list  # [T] int, -1 without a link
   version: list  # [T] int
   first: list  # [T] bool
@@ -293,9 +360,11 @@ class _Walk(NamedTuple):
   checks: list  # [T] bool: may wait for a version (or a gate)
   waits: np.ndarray  # [T] bool, `checks` as an array
   first_row: np.ndarray  # [S, B] the ring row of each iteration's first task
-  window: int  # rows a task may look back: dependency, stage, iteration
+  window: int  # rows a task may look back: dependency, device, iteration,
+  #   pair
   iteration_seconds: np.ndarray  # [B, S] reference seconds of an iteration
   gates: bool
+  num_devices: int
 
   @classmethod
   def of(cls, plan: Program, links: np.ndarray, link_of: np.ndarray,
@@ -307,20 +376,28 @@ class _Walk(NamedTuple):
     S, B = plan.first_task.shape
     key = plan.stage[trigger_at] * B + plan.minibatch[trigger_at]
     back.append(trigger_at - plan.first_task.ravel()[key])
-    for s in range(S):
-      back.append(np.diff(np.flatnonzero(plan.stage == s)))
+    P = int(plan.device.max(initial=0)) + 1
+    for d in range(P):
+      back.append(np.diff(np.flatnonzero(plan.device == d)))
+    later = plan.lead >= 0
+    back.append(index[later] - plan.lead[later])
     window = int(max(b.max(initial=0) for b in back)) + 1
-    waits = _reads_new_version(plan) | (plan.first & gates)
+    pair = np.zeros(T, np.int64)
+    pair[plan.lead[later]], pair[later] = 1, 2
+    waits = _reads_new_version(plan) | (plan.first & gates) | (pair > 0)
     seconds = np.zeros(S * B)
     np.add.at(seconds, plan.stage * B + plan.minibatch, plan.base)
     return cls(plan=plan, links=links, stage=plan.stage.tolist(),
                minibatch=plan.minibatch.tolist(),
-               dep=(plan.dep % window).tolist(), link=link_of.tolist(),
+               dep=(plan.dep % window).tolist(),
+               device=plan.device.tolist(), pair=pair.tolist(),
+               lead=plan.lead.tolist(), link=link_of.tolist(),
                version=plan.version.tolist(), first=plan.first.tolist(),
                own=plan.own.tolist(), trigger=plan.trigger.tolist(),
                base=plan.base.tolist(), checks=waits.tolist(), waits=waits,
                first_row=plan.first_task % window, window=window,
-               iteration_seconds=seconds.reshape(S, B).T, gates=gates)
+               iteration_seconds=seconds.reshape(S, B).T, gates=gates,
+               num_devices=P)
 
 
 class _Rows(NamedTuple):
@@ -363,8 +440,9 @@ def _walk(walk: _Walk, rows: _Rows, delay, scale, update, applied, local_end,
   S, N = len(applied), rows.start.shape[1]
   R = len(rows.start)
   wait, scratch = np.zeros((S, N)), np.empty(N)
-  free = [np.zeros(N) for _ in range(S)]
+  free = [np.zeros(N) for _ in range(walk.num_devices)]
   stage, minibatch, dep, link = walk.stage, walk.minibatch, walk.dep, walk.link
+  device, pair = walk.device, walk.pair
   version, first, trigger, own = (walk.version, walk.first, walk.trigger,
                                   walk.own)
   base, checks, links = walk.base, walk.checks, walk.links
@@ -382,8 +460,8 @@ def _walk(walk: _Walk, rows: _Rows, delay, scale, update, applied, local_end,
                      "floor; valid: defers=False")
   held = {}  # stage -> its minibatch whose sync is held back (`defers`)
   for i in range(len(stage)):
-    s, p, k = stage[i], minibatch[i], i % R
-    f = free[s]
+    s, p, k, d = stage[i], minibatch[i], i % R, device[i]
+    f = free[d]
     if held and s in held and (first[i] or version[i] > held[s]):
       _sync_held(syncs, walk, held, applied, local_end)
     if first[i]:
@@ -406,12 +484,16 @@ def _walk(walk: _Walk, rows: _Rows, delay, scale, update, applied, local_end,
           gate[s, p] = syncs.runner.gate(s, p)
         maximum(st, gate[s, p], out=st)
       add(wait[s], subtract(st, r, out=scratch), out=wait[s])
+    if pair[i] == 2:
+      _start_together(walk, walk.lead[i], st, start, end, scale)
     e = multiply(scale[p][s], base[i], out=end[k])
     add(st, e, out=e)
+    if pair[i]:  # the device is free when the pair's later task ends
+      e = f if pair[i] == 1 else maximum(e, end[walk.lead[i] % R])
     if not trigger[i]:
-      free[s] = e
+      free[d] = e
       continue
-    e = free[s] = add(e, update[p, s], out=local_end[s, p])
+    e = free[d] = add(e, update[p, s], out=local_end[s, p])
     if defers:
       if s in held:  # one held sync per stage, so that they stay in order
         _sync_held(syncs, walk, held, applied, local_end)
@@ -423,6 +505,19 @@ def _walk(walk: _Walk, rows: _Rows, delay, scale, update, applied, local_end,
   last = np.max([end[(np.flatnonzero(walk.plan.stage == s)[-1]) % R]
                  for s in range(S)], axis=0)
   return wait, last
+
+
+def _start_together(walk: _Walk, lead: int, st: np.ndarray, start, end,
+                    scale) -> None:
+  """An overlapped pair (DualPipe's F&B) starts when both are ready: the
+  later task's start `st` and the earlier's, `lead`, become their maximum,
+  and the earlier ends its own cost after it."""
+  k = lead % len(start)
+  np.maximum(st, start[k], out=st)
+  start[k][:] = st
+  e = np.multiply(scale[walk.minibatch[lead]][walk.stage[lead]],
+                  walk.base[lead], out=end[k])
+  np.add(st, e, out=e)
 
 
 def _synced(syncs: _Syncs, walk: _Walk, stage: int, minibatch: int,
@@ -473,43 +568,95 @@ def start_run(schedule: core.Schedule, cluster: cluster_lib.Cluster,
               seed: int) -> tuple:
   """Checks sizes, draws the slowdowns and starts the policy's runner.
 
+  Slowdowns are drawn per device (`[B, N, P]`); a device-level schedule's
+  chunks take their device's factor, and its sleep is taken before the
+  device's first task of the minibatch. Grouping by arrival
+  (`Runner.crosses_iterations`) is refused for a device-level schedule.
+
   Returns:
-    `(policy, runner, delay, scale, update)`: the last three `[B, S, N]`,
-    the sleep before each iteration, the factor on each reference second
-    (slowdown over speed) and the optimizer step's seconds.
+    `(policy, runner, delay, scale, update, chunks)`: the middle three
+    `[B, S, N]`, the sleep before each iteration, the factor on each
+    reference second (slowdown over speed) and the optimizer step's seconds;
+    `chunks` the cluster one column per stage (`by_stage`), which the policy
+    sees.
   """
-  S, B = schedule.num_stages, schedule.num_minibatches
-  N = cluster.num_pipelines
-  if schedule.placement is not None:  # its chunks share a device
-    raise ValueError(f"schedule {schedule.name!r} is device-level (its "
-                     f"{S} stages on {schedule.num_devices} devices, "
-                     f"{schedule.placement} placement); valid: a stage-level "
-                     "schedule (the simulator gives every stage a device)")
-  if cluster.num_stages != S or costs.num_stages != S:
-    raise ValueError(f"cluster has {cluster.num_stages} stages and costs "
-                     f"{costs.num_stages}; the schedule has {S}")
+  B, N = schedule.num_minibatches, cluster.num_pipelines
+  chunks = by_stage(schedule, cluster, costs)
   policy = policy_lib.time_side(policy or policy_lib.isolated(), N)
   straggler_rng, policy_rng = np.random.default_rng(seed).spawn(2)
-  delay, multiplier = stragglers_lib.slowdowns(perturbations, (B, N, S),
-                                               straggler_rng)
-  speed = cluster.speed  # [N, S]
+  delay, multiplier = stragglers_lib.slowdowns(
+      perturbations, (B, N, cluster.num_stages), straggler_rng)
+  if schedule.placement is not None:
+    on_device = device_of(schedule)
+    delay = delay[..., on_device] * _opens(schedule, on_device)[:, None]
+    multiplier = multiplier[..., on_device]
+  speed = chunks.speed  # [N, S]
   scale = np.divide(multiplier.transpose(0, 2, 1), speed.T[None],
-                    out=np.empty((B, S, N)))
+                    out=np.empty((B, schedule.num_stages, N)))
   delay = np.ascontiguousarray(delay.transpose(0, 2, 1))  # [B, S, N]
   update = np.asarray(costs.update)[None, :, None] * scale  # [B, S, N]
-  runner = policy.start(policy_lib.Context(cluster, costs, B, policy_rng))
-  return policy, runner, delay, scale, update
+  runner = policy.start(policy_lib.Context(chunks, costs, B, policy_rng))
+  if runner.crosses_iterations and schedule.placement is not None:
+    raise ValueError(f"sync policy {policy.name!r} groups workers across "
+                     "iterations, which is not timed for device-level "
+                     f"schedule {schedule.name!r}; valid: a stage-level one")
+  return policy, runner, delay, scale, update, chunks
+
+
+def by_stage(schedule: core.Schedule, cluster: cluster_lib.Cluster,
+             costs: cluster_lib.StageCosts) -> cluster_lib.Cluster:
+  """The cluster as one column per stage: itself for a stage-level schedule
+  (`[N][S]` devices); for a device-level one (`[N][P]`), stage `s` on its
+  device's column, `devices[i][d(s)]` (so its links and syncs are its
+  device's).
+
+  Raises:
+    ValueError: in one line, where costs have a row count other than S or
+      the cluster neither S (stage-level) nor P (device-level) devices a
+      pipeline.
+  """
+  S, P, name = schedule.num_stages, schedule.num_devices, schedule.name
+  if costs.num_stages != S:
+    raise ValueError(f"costs has {costs.num_stages} stages; valid: one per "
+                     f"stage of schedule {name!r}, {S}")
+  if schedule.placement is None and cluster.num_stages != S:
+    raise ValueError(f"cluster has {cluster.num_stages} stages (devices a "
+                     f"pipeline); valid: {S}, those of schedule {name!r}")
+  if schedule.placement is None:
+    return cluster
+  if cluster.num_stages != P:
+    raise ValueError(f"cluster has {cluster.num_stages} stages (devices a "
+                     f"pipeline); valid: {P}, the devices of device-level "
+                     f"schedule {name!r} ({S} stages, {schedule.placement} "
+                     "placement)")
+  on_device = device_of(schedule).tolist()
+  return dataclasses.replace(cluster, devices=tuple(
+      tuple(row[d] for d in on_device) for row in cluster.devices))
+
+
+def _opens(schedule: core.Schedule, on_device: np.ndarray) -> np.ndarray:
+  """`[B, S]` whether stage `s` runs its device's first task of minibatch
+  `p`."""
+  tasks = schedule.tasks
+  stage = np.fromiter((t.stage for t in tasks), np.int64, len(tasks))
+  minibatch = np.fromiter((t.minibatch for t in tasks), np.int64, len(tasks))
+  _, first = np.unique(minibatch * len(on_device) + on_device[stage],
+                       return_index=True)
+  out = np.zeros((schedule.num_minibatches, schedule.num_stages), bool)
+  out[minibatch[first], stage[first]] = True
+  return out
 
 
 def finish_run(schedule, cluster, costs, policy, runner, *, task_times,
                end_max, applied, local_end, reflected, busy, wait, delay,
-               update, comm) -> result_lib.SimResult:
+               update, comm, overlap) -> result_lib.SimResult:
   """The `SimResult` of a finished walk.
 
   Args:
     task_times: a `TaskTimes`, or a function that computes it.
     end_max: `[N]` (or any shape) the latest task end.
     busy, wait: `[S, N]` seconds of tasks, and of waits before them.
+    overlap: `[P, N]` seconds overlapped pairs ran together on each device.
   """
   B = schedule.num_minibatches
   makespan = float(max(applied[:, B].max(), np.max(end_max)))
@@ -523,7 +670,8 @@ def finish_run(schedule, cluster, costs, policy, runner, *, task_times,
       applied=applied, update_seconds=update, comm=tuple(comm),
       samples_per_minibatch=(schedule.num_microbatches
                              * costs.samples_per_microbatch),
-      costs=costs, extras=dict(runner.extras(), local_update_end=local_end))
+      costs=costs, extras=dict(runner.extras(), local_update_end=local_end),
+      overlap=overlap.T)
 
 
 def _reads_new_version(plan: Program) -> np.ndarray:

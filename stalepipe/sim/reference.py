@@ -6,7 +6,9 @@ event for event, as `stalepipe.pipeline.reference` is for the executor.
 The rules (when a task starts and ends, what a sync does) are those of
 `stalepipe.sim.engine`; here each task is one NumPy step over all pipelines
 with nothing skipped, link delays are one row per task, and observed
-staleness keeps the full `know[s][i, j]` matrix of every stage.
+staleness keeps the full `know[s][i, j]` matrix of every stage. A
+device-level schedule's chunks share their device's free time; an overlapped
+pair's tasks start at the later of their two starts.
 """
 
 from typing import Sequence
@@ -39,6 +41,8 @@ def _compile(schedule: core.Schedule,
   first_task = np.full((S, B), -1)
   last_backward = np.full((S, B), -1)
   own, triggered = np.zeros(T, int), [0] * S
+  placed = schedule.placed
+  device = [s if placed is None else placed.where(s)[0] for s in range(S)]
   for i, t in enumerate(tasks):
     s, p, m = t.stage, t.minibatch, t.microbatch
     plan["stage"][i], plan["minibatch"][i] = s, p
@@ -56,6 +60,9 @@ def _compile(schedule: core.Schedule,
       dep = fwd.get((p, covered[-1], s))
     else:  # a forward on stage 0 reads the data
       dep = -1
+    b = plan["boundary"][i]
+    if b >= 0 and device[b] == device[b + 1]:
+      plan["boundary"][i], volume[i] = -1, 0  # same device: no link
     if dep != -1:
       if dep is None or dep >= i:
         raise ValueError(f"{t} of schedule {schedule.name!r} runs before the "
@@ -77,7 +84,9 @@ def _compile(schedule: core.Schedule,
   return engine.Program(volume=volume, first=first, own=own, trigger=trigger,
                         base=base, cost_class=None,
                         backward_version=backward_version,
-                        first_task=first_task, **plan)
+                        first_task=first_task,
+                        device=np.array(device)[plan["stage"]],
+                        lead=engine.pairs(schedule, trigger), **plan)
 
 
 def simulate(schedule: core.Schedule, cluster: cluster_lib.Cluster,
@@ -86,7 +95,7 @@ def simulate(schedule: core.Schedule, cluster: cluster_lib.Cluster,
              perturbations: Sequence = (), seed: int = 0
              ) -> result_lib.SimResult:
   """`stalepipe.sim.simulate`, one NumPy step per task (same arguments)."""
-  policy, runner, delay, scale, update = engine.start_run(
+  policy, runner, delay, scale, update, chunks = engine.start_run(
       schedule, cluster, costs, policy, perturbations, seed)
   if runner.crosses_iterations:
     raise ValueError(f"sync policy {policy.name!r} groups workers across "
@@ -94,13 +103,15 @@ def simulate(schedule: core.Schedule, cluster: cluster_lib.Cluster,
                      "cannot time; valid: stalepipe.sim.simulate")
   S, B, N = schedule.num_stages, schedule.num_minibatches, cluster.num_pipelines
   plan = _compile(schedule, costs)
-  xfer = _transfers(plan, cluster, costs)
+  xfer = _transfers(plan, chunks, costs)
 
   T = len(plan.stage)
   start, end = np.zeros((T + 1, N)), np.zeros((T + 1, N))
   ready = np.zeros((T, N))
-  blocked, sleep_at, sleep = (np.zeros((T, N)) for _ in range(3))
-  free = np.zeros((S, N))
+  blocked, sleep_at, sleep, together = (np.zeros((T, N)) for _ in range(4))
+  P = int(plan.device.max()) + 1
+  free = np.zeros((P, N))
+  earlier = set(plan.lead[plan.lead >= 0].tolist())
   applied = np.full((S, B + 1, N), np.inf)
   applied[:, 0] = 0.0
   local_end = np.zeros((S, B, N))
@@ -116,8 +127,8 @@ def simulate(schedule: core.Schedule, cluster: cluster_lib.Cluster,
   version, first, trigger = plan.version.tolist(), plan.first, plan.trigger
   base, gates, own = plan.base, runner.gates, plan.own
   for i in range(T):
-    s, p = stage[i], minibatch[i]
-    f = free[s]
+    s, p, d, j = stage[i], minibatch[i], plan.device[i], plan.lead[i]
+    f = free[d]
     if first[i]:
       synced = np.maximum(f, applied[s, own[i]])
       blocked[i], sleep_at[i], sleep[i] = synced - f, synced, delay[p, s]
@@ -126,13 +137,22 @@ def simulate(schedule: core.Schedule, cluster: cluster_lib.Cluster,
     st = np.maximum(r, applied[s, version[i]])
     if gates and first[i]:
       st = np.maximum(st, runner.gate(s, p))
+    if j >= 0:  # an overlapped pair: both start when both are ready; the
+      # one that waits for the other idles
+      both = np.maximum(st, start[j])
+      together[i], together[j], start[j] = both - st, both - start[j], both
+      st = both
+      end[j] = st + base[j] * scale[minibatch[j], stage[j]]
     e = st + base[i] * scale[p, s]
     ready[i], start[i], end[i] = r, st, e
+    if i in earlier:
+      free[d] = f
+      continue
     if not trigger[i]:
-      free[s] = e
+      free[d] = e if j < 0 else np.maximum(e, end[j])
       continue
     e = e + update[p, s]
-    free[s] = local_end[s, p] = e
+    free[d] = local_end[s, p] = e
     out = runner.sync(s, p, e)
     applied[s, p + 1] = np.maximum(out.applied, applied[s, p])
     read = history[s, plan.backward_version[s, p] % depth]
@@ -151,14 +171,24 @@ def simulate(schedule: core.Schedule, cluster: cluster_lib.Cluster,
   for s in range(S):
     mine = plan.stage == s
     busy[s] = (end[mine] - start[mine]).sum(0)
-    wait[s] = (start[mine] - ready[mine] + blocked[mine]).sum(0)
+    wait[s] = (start[mine] - ready[mine] + blocked[mine]
+               - together[mine]).sum(0)
   return engine.finish_run(
       schedule, cluster, costs, policy, runner,
       task_times=result_lib.TaskTimes(start, end, ready, blocked, sleep_at,
                                       sleep),
       end_max=end.max(), applied=applied, local_end=local_end,
       reflected=reflected, busy=busy, wait=wait, delay=delay, update=update,
-      comm=comm)
+      comm=comm, overlap=_overlap(plan, start, end, P))
+
+
+def _overlap(plan: engine.Program, start: np.ndarray, end: np.ndarray,
+             P: int) -> np.ndarray:
+  """`[P, N]` seconds each device ran both tasks of its overlapped pairs."""
+  overlap = np.zeros((P, start.shape[1]))
+  for j, i in zip(plan.lead[plan.lead >= 0], np.flatnonzero(plan.lead >= 0)):
+    overlap[plan.device[i]] += np.minimum(end[i] - start[i], end[j] - start[j])
+  return overlap
 
 
 def _transfers(plan: engine.Program, cluster: cluster_lib.Cluster,

@@ -25,6 +25,11 @@ class TaskTimes(NamedTuple):
 class SimResult:
   """What a simulation measured; seconds, devices as `[pipeline, stage]`.
 
+  A device-level schedule's stages (chunks) share devices: the per-stage
+  figures are each chunk's, and `device_busy`, `device_wait`,
+  `device_delayed`, `device_idle` (`[N, P]`) its devices'; for a stage-level
+  schedule they are the per-stage figures.
+
   Attributes:
     schedule: the schedule every pipeline ran.
     cluster: the cluster it ran on.
@@ -47,6 +52,8 @@ class SimResult:
     comm: `(stage, CommEvent)` records of every exchange.
     samples_per_minibatch: M x samples per micro-batch.
     extras: policy records (WSP clocks, SDPipe groups, ...).
+    overlap: `[N, P]` seconds each device ran the two tasks of an overlapped
+      pair (DualPipe's F&B) together: `min(F, B)` per pair.
   """
 
   schedule: core.Schedule
@@ -65,6 +72,7 @@ class SimResult:
   samples_per_minibatch: int
   costs: cluster_lib.StageCosts
   extras: dict
+  overlap: np.ndarray
 
   @functools.cached_property
   def _times(self) -> TaskTimes:
@@ -104,6 +112,36 @@ class SimResult:
     """`[tasks, N]` for an iteration's first task, its injected sleep."""
     return self._times.sleep
 
+  def _per_device(self, per_stage: np.ndarray) -> np.ndarray:
+    """`[N, S]` figures summed over each device's stages: `[N, P]`."""
+    placed = self.schedule.placed
+    if placed is None:
+      return per_stage
+    return per_stage[:, placed.stages].sum(axis=-1)
+
+  @property
+  def device_busy(self) -> np.ndarray:
+    """`[N, P]` seconds each device computed: its stages' `busy`, less the
+    time overlapped pairs ran together (a pair takes `max(F, B)`)."""
+    return self._per_device(self.busy) - self.overlap
+
+  @property
+  def device_wait(self) -> np.ndarray:
+    """`[N, P]` its stages' `wait` (their tasks wait one after another;
+    the two tasks of an overlapped pair each count theirs)."""
+    return self._per_device(self.wait)
+
+  @property
+  def device_delayed(self) -> np.ndarray:
+    """`[N, P]` injected sleeps (one per device and minibatch)."""
+    return self._per_device(self.delayed)
+
+  @property
+  def device_idle(self) -> np.ndarray:
+    """`[N, P]` the rest of the makespan: bubbles and link delays."""
+    return (self.makespan - self.device_busy - self.device_wait
+            - self.device_delayed)
+
   @property
   def minibatches_per_second(self) -> float:
     return self.applied.shape[2] * self.schedule.num_minibatches / self.makespan
@@ -142,12 +180,13 @@ class SimResult:
 
   @property
   def fits(self) -> np.ndarray | None:
-    """`[N, S]` whether each device's memory holds its stage's peak."""
+    """`[N, S]` (device-level: `[N, P]`) whether each device's memory holds
+    its stage's peak (the sum of its chunks' peaks)."""
     if self.memory_required is None:
       return None
     memory = np.array([[d.memory_bytes for d in row]
                        for row in self.cluster.devices])
-    return memory >= self.memory_required[None]
+    return memory >= self._per_device(self.memory_required[None])
 
   def timeline(self, pipelines: Sequence[int] | None = None,
                until: float = np.inf) -> list:
@@ -160,16 +199,21 @@ class SimResult:
     Returns:
       Tasks (their kind's name: "F", "B", "BI", ...), updates ("U"),
       communication ("C"), waits for a sync, a version or a gate ("W") and
-      injected straggler sleeps ("W" labelled "sleep"), one row per device.
+      injected straggler sleeps ("W" labelled "sleep"), one row per device
+      (a device-level schedule's chunks share their device's row).
     """
     # pylint: disable-next=g-import-not-at-top
     from stalepipe.schedules import render
     N = self.applied.shape[2]
     shown = range(N) if pipelines is None else pipelines
     width = len(str(N - 1))
+    placed = self.schedule.placed
+    unit = "stage" if placed is None else "device"
+    on = (range(self.schedule.num_stages) if placed is None
+          else [placed.where(s)[0] for s in range(self.schedule.num_stages)])
 
     def row(i, s):
-      return f"pipeline {i:0{width}d} stage {s}"
+      return f"pipeline {i:0{width}d} {unit} {on[s]}"
 
     events = []
     M = self.schedule.num_microbatches
