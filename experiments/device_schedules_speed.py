@@ -12,7 +12,7 @@ repeat of every run, then the next), medians; with `remat="residuals"`.
 Also, without timing, each schedule's device bubble (its table) and its
 closed form.
 
-  cd experiments && python device_schedules_speed.py [--repeats=7] [--out_dir=DIR]
+  cd experiments && python device_schedules_speed.py [--repeats=7] [--lanes] [--out_dir=DIR]
 
 On 8 emulated CPU devices sharing the host's cores a bubble is not idle time
 (a device's idle tick lets another device's work run): read the ratios as
@@ -35,6 +35,10 @@ MINIBATCHES = flags.DEFINE_integer("minibatches", 2,
                                    "Minibatches per executor window.")
 RUNS = (("1f1b", P), ("zb-h1", P), ("interleaved-1f1b", 2 * P),
         ("zb-v", 2 * P), ("dualpipev", 2 * P))
+LANES = flags.DEFINE_bool(
+    "lanes", False, "Also run each device-level schedule with the lanes' tick "
+    "(`Pipeline(tick='lanes')`, rows `<name>@lanes`); the others run "
+    "tick='auto', here the slots' tick.")
 flags.FLAGS.set_default("repeats", 7)
 flags.FLAGS.set_default("micro", 8)  # DualPipeV needs M >= 2P
 
@@ -54,11 +58,13 @@ def closed_form(name: str, M: int) -> float | None:
 
 
 def build(name, stages, mesh, x, y, layers):
-  schedule = common.make_schedule(name, stages, x.shape[1], x.shape[0],
+  base, _, tick = name.partition("@")
+  schedule = common.make_schedule(base, stages, x.shape[1], x.shape[0],
                                   devices=P)
   staged = common.make_model(stages, common.HIDDEN.value, layers)
   pipe = executor.Pipeline(staged.stage_fns, cross_entropy, schedule,
-                           optax.sgd(0.01), mesh, remat="residuals")
+                           optax.sgd(0.01), mesh, remat="residuals",
+                           tick=tick or "auto")
   step_fn, state, args = common.step_function(
       pipe, pipe.init(staged.stage_params), x, y)
   box = [state]
@@ -71,7 +77,7 @@ def build(name, stages, mesh, x, y, layers):
   bubble = (one.device_bubble_fraction if one.placement
             else one.bubble_fraction)
   return run, {"placement": pipe.placement.name, "bubble": bubble,
-               "closed_form_bubble": closed_form(name, x.shape[1]),
+               "closed_form_bubble": closed_form(base, x.shape[1]),
                "ticks_a_window": int(pipe.program.tables.kind.shape[1])}
 
 
@@ -83,7 +89,8 @@ def main(argv):
   mesh = jax.make_mesh((2, P), ("data", "stage"))
   x, y = common.make_batch(B, M, 2 * b, H)
   runs, info = {}, {}
-  for name, stages in RUNS:
+  lanes = [(f"{n}@lanes", s) for n, s in RUNS if s > P] if LANES.value else []
+  for name, stages in RUNS + tuple(lanes):
     runs[name], info[name] = build(name, stages, mesh, x, y,
                                    8 * L // stages)
   baseline = "baseline GPipe (MaxText style)"
@@ -108,7 +115,7 @@ def main(argv):
         f"{1.0:10.2f}")
   harness.record("device_schedules_speed", {
       "config": common.config("hidden", "layers", "batch", "micro",
-                              "minibatches", "repeats"),
+                              "minibatches", "repeats", "lanes"),
       "median_s": {k: harness.median(v) for k, v in samples.items()},
       "rows": rows})
 
