@@ -64,6 +64,8 @@ def _run(name, D, P, devices, tick, optimizer, remat="recompute",
   for x, y in _windows(3, 2, schedule.num_microbatches, 4 * D):
     state, metrics = pipe.step(state, x, y)
     losses.append(float(metrics["loss"]))
+  state, metrics = pipe.drain(state)  # its tables leave tasks out
+  losses.append(float(metrics["loss"]))
   return pipe, losses, _live(state)
 
 
@@ -104,7 +106,7 @@ def test_lanes_train_what_the_slots_train_bit_for_bit(
   slots, slot_losses, slot_state = _run(name, D, P, devices, "slots",
                                         optimizer(), remat)
   assert (lane.lanes, slots.lanes) == (lanes_, None)
-  assert lane_losses == slot_losses
+  np.testing.assert_array_equal(lane_losses, slot_losses)  # NaN: no drain
   for a, b in zip(lane_state, slot_state, strict=True):
     np.testing.assert_array_equal(a, b)
 
@@ -115,7 +117,7 @@ def test_lanes_under_auto_axes_equal_explicit_ones():
   _, auto_losses, auto_state = _run("pipedream-v", 1, 2, 2, "lanes",
                                     optax.sgd(0.1), axis_types=auto)
   _, losses, state = _run("pipedream-v", 1, 2, 2, "lanes", optax.sgd(0.1))
-  assert auto_losses == losses
+  np.testing.assert_array_equal(auto_losses, losses)
   for a, b in zip(auto_state, state, strict=True):
     np.testing.assert_array_equal(a, b)
 
