@@ -21,6 +21,9 @@ table names (`Stages.lanes`), on the device's slots held as one array:
   slot that holds that stage's successor (or predecessor), at the buffer
   slot its row of last tick names, or in a scratch row.
 
+The plan is read from the program's tables; a step given other tables
+must leave tasks out of them, never add any (the drain's do,
+`program.drain_table`): a slot the plan does not run would not run.
 The numerics are the slots' tick's: the same tasks, versions and updates in
 the same order on each slot (tested bit for bit against it,
 `tests/lanes_test.py`). Not for a stage sharded over 'fsdp' or an optimizer
