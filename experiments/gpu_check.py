@@ -9,7 +9,10 @@ each XLA flag set below, in a fresh process per flag set (XLA_FLAGS is read
 at start-up):
 
 - the idle tick: a window whose every task is made idle, over its ticks;
-- a zb-h1 window (remat="residuals") and a 1f1b window, per minibatch.
+- a zb-h1 window (remat="residuals") and a 1f1b window, per minibatch;
+- interleaved 1F1B of 16 blocks cut into v = 2 and 16 chunks on the one
+  device, with the slots' and the lanes' tick (`Pipeline(tick=)`), per
+  minibatch: whether one conditional a lane beats one a slot there.
 
 Flag sets: none; XLA:GPU command buffers including conditionals and while
 loops (so a whole loop can be one CUDA graph). A tick above about 50 us
@@ -96,6 +99,42 @@ def measure(hidden: int, batch: int, micro: int, repeats: int) -> dict:
       out["runs"][f"{name}, {lowering}"] = {
           "ticks": ticks, "step_ms_per_minibatch": 1e3 * med["step"] / B,
           "idle_tick_us": 1e6 * med["idle"] / ticks}
+  out["ticks"] = measure_ticks(mesh, x, y, hidden, repeats)
+  return out
+
+
+def measure_ticks(mesh, x, y, hidden: int, repeats: int) -> dict:
+  """Interleaved 1F1B on one device, v chunks, each tick: ms a minibatch."""
+  # pylint: disable=g-import-not-at-top,import-outside-toplevel
+  import jax
+  import numpy as np
+  import optax
+  import stalepipe as sp
+  from stalepipe.models.losses import cross_entropy
+  from stalepipe.pipeline import executor
+
+  B, M = x.shape[:2]
+  out = {}
+  for v in (2, 16):
+    staged = sp.models.split(sp.models.mlp(hidden, hidden, 15, hidden), v)
+    schedule = sp.schedules.make("interleaved-1f1b", num_stages=v,
+                                 num_microbatches=M, num_minibatches=B,
+                                 num_devices=1)
+    for tick in ("slots", "lanes"):
+      pipe = executor.Pipeline(staged.stage_fns, cross_entropy, schedule,
+                               optax.sgd(0.01), mesh, remat="residuals",
+                               tick=tick)
+      state = pipe.init(staged.stage_params)
+      step_fn = pipe.compile(state, x, y)
+      state, *args = pipe.arguments(state, x, y)
+      times = []
+      for _ in range(repeats + 2):
+        start = time.perf_counter()
+        state, metrics = step_fn(state, *args)
+        jax.block_until_ready(metrics)
+        times.append(time.perf_counter() - start)
+      out[f"interleaved-1f1b, v={v}, {tick}"] = {
+          "step_ms_per_minibatch": 1e3 * float(np.median(times[2:])) / B}
   return out
 
 
@@ -122,6 +161,9 @@ def main(argv):
     for run, r in results[label]["runs"].items():
       print(f"{label:36s} {run:28s} idle tick {r['idle_tick_us']:8.1f} us  "
             f"step {r['step_ms_per_minibatch']:8.3f} ms/minibatch")
+    for run, r in results[label]["ticks"].items():
+      print(f"{label:36s} {run:34s} step "
+            f"{r['step_ms_per_minibatch']:8.3f} ms/minibatch")
   harness.record("gpu_check", results)
 
 
