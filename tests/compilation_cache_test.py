@@ -102,7 +102,7 @@ _CASES = {
     pytest.param("1f1b_folded_replicas", marks=pytest.mark.slow),
     pytest.param("pipedream_fsdp", marks=pytest.mark.slow),
     pytest.param("1f1b_fsdp_model_scope", marks=pytest.mark.slow),
-    "pipedream_v_lanes",
+    pytest.param("pipedream_v_lanes", marks=pytest.mark.slow),
     pytest.param("interleaved_lanes_replicas", marks=pytest.mark.slow)])
 def test_step_from_the_persistent_cache_equals_a_fresh_compile(
     persistent_cache, case):

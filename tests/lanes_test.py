@@ -51,7 +51,7 @@ def test_the_plan_runs_each_busy_slot_in_one_lane(name, P, devices, width):
 
 
 def _run(name, D, P, devices, tick, optimizer, remat="recompute",
-         axis_types=None):
+         axis_types=None, drain=True):
   schedule = _make(name, P, 4)
   staged = sp.models.split(sp.models.mlp(8, 16, schedule.num_stages, 4),
                            schedule.num_stages)
@@ -64,8 +64,9 @@ def _run(name, D, P, devices, tick, optimizer, remat="recompute",
   for x, y in _windows(3, 2, schedule.num_microbatches, 4 * D):
     state, metrics = pipe.step(state, x, y)
     losses.append(float(metrics["loss"]))
-  state, metrics = pipe.drain(state)  # its tables leave tasks out
-  losses.append(float(metrics["loss"]))
+  if drain:  # its tables leave tasks out of the program's
+    state, metrics = pipe.drain(state)
+    losses.append(float(metrics["loss"]))
   return pipe, losses, _live(state)
 
 
@@ -87,10 +88,13 @@ _SLOW = pytest.mark.slow
     # one device: 2 lanes over 4 slots
     pytest.param("interleaved-1f1b", 1, 2, 1, lambda: optax.adam(1e-2),
                  "recompute", 2, marks=_SLOW),
+    # the quick case: the V on 2 devices, windows only (no drain)
+    ("pipedream-v", 1, 2, 2, lambda: optax.sgd(0.1), "recompute", 1),
     # the V's hops run both ways; stale reads and compensation
-    ("pipedream-v", 1, 4, 4, _dc, "recompute", 1),
+    pytest.param("pipedream-v", 1, 4, 4, _dc, "recompute", 1, marks=_SLOW),
     # a split backward: the residual and op-cotangent rows, replicas
-    ("zb-v", 2, 2, 2, lambda: optax.adam(1e-2), "residuals", 1),
+    pytest.param("zb-v", 2, 2, 2, lambda: optax.adam(1e-2), "residuals", 1,
+                 marks=_SLOW),
     pytest.param("pipedream-interleaved", 1, 2, 2,
                  lambda: sp.optim.SpecTrain(optax.sgd(0.3, 0.9),
                                             staleness="minibatch"),
@@ -101,10 +105,11 @@ _SLOW = pytest.mark.slow
                  "recompute", 1, marks=_SLOW)])
 def test_lanes_train_what_the_slots_train_bit_for_bit(
     name, D, P, devices, optimizer, remat, lanes_):
+  drain = not (name == "pipedream-v" and P == 2)  # the quick case: windows
   lane, lane_losses, lane_state = _run(name, D, P, devices, "lanes",
-                                       optimizer(), remat)
+                                       optimizer(), remat, drain=drain)
   slots, slot_losses, slot_state = _run(name, D, P, devices, "slots",
-                                        optimizer(), remat)
+                                        optimizer(), remat, drain=drain)
   assert (lane.lanes, slots.lanes) == (lanes_, None)
   np.testing.assert_array_equal(lane_losses, slot_losses)  # NaN: no drain
   for a, b in zip(lane_state, slot_state, strict=True):
