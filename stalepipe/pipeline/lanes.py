@@ -30,6 +30,7 @@ the same order on each slot (tested bit for bit against it,
 stepping on the whole model (`scope.py`): `check` says so in one line.
 """
 
+import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -163,9 +164,9 @@ def view(ctx: tick_lib.Stages, carry: LaneCarry, a, lane: int,
          task: bool = False) -> TickCarry:
   """Slot `a`'s carry as the tick functions read it: its own opt state,
   accumulator and state by index; its ring as the concatenated rings with
-  the other slots' versions hidden (-2); the buffers as rows (its rows from
-  `Window.row0`). For a `task`, the accumulators stay stacked, `[v, L]`:
-  the task adds to row a in place (`tick.stacked_sum`, `Window.lane`)."""
+  the other slots' versions hidden (-2); the buffers as rows (a task finds
+  its slot's by `Window.lane`). For a `task`, the accumulators stay
+  stacked, `[v, L]`: the task adds to row a in place (`tick.stacked_sum`)."""
   s = carry.slots
   at = lambda v: v[a]  # pylint: disable=unnecessary-lambda-assignment
   mine = jnp.asarray(_owner(ctx)) == a
@@ -226,14 +227,13 @@ def offsets(ctx: tick_lib.Stages, step: int) -> dict[int, list]:
 
 
 def _file(ctx: tick_lib.Stages, buffers, rows, sender, previous,
-          window: tick_lib.Window, field: str, step: int):
+          window: tick_lib.Window, field: str, step: int, places):
   """`buffers` (rows) with `rows`, sent by stage `sender - 1`, filed where
   its receiver (stage sender - 1 + step) holds it on this device, or in a
-  scratch row where no stage here receives it."""
+  scratch row where no stage here receives it (`places`: each stage's
+  device and slot)."""
   S, C = ctx.num_stages, ctx.program.num_slots
-  order = np.argsort(ctx.placement.stages.ravel())  # stage -> d * v + j
-  device_of = jnp.asarray(order // ctx.placement.num_slots)
-  slot_of = jnp.asarray(order % ctx.placement.num_slots)
+  device_of, slot_of = places
   dest = jnp.clip(sender - 1 + step, 0, S - 1)
   expected = getattr(previous, "recv_" + field)[dest]
   ok = ((sender > 0) & (sender - 1 + step >= 0) & (sender - 1 + step < S)
@@ -254,21 +254,18 @@ def receive(ctx: tick_lib.Stages, carry: LaneCarry, previous,
   """Every lane's last outbox moved along each offset its hops use (one
   `ppermute` an offset, every tick) and filed by its receiver (`_file`)."""
   buffers = carry.slots.buffers
+  where = np.argsort(ctx.placement.stages.ravel())  # stage -> d * v + j
+  places = tuple(jnp.asarray(f(where, ctx.placement.num_slots))
+                 for f in (np.floor_divide, np.mod))
   for field, step in (("forward", 1), ("backward", -1)):
     for offset, pairs in offsets(ctx, step).items():
       for lane, box in enumerate(carry.outboxes):
         moved = (getattr(box, field), carry.senders[lane])
         if offset:
           moved = jax.lax.ppermute(moved, tick_lib.STAGE, pairs)
-        buffers = _file(ctx, buffers, *moved, previous, window, field, step)
+        buffers = _file(ctx, buffers, *moved, previous, window, field, step,
+                        places)
   return carry._replace(slots=carry.slots._replace(buffers=buffers))
-
-
-def _blank(instr):
-  """A row in which a stage does nothing (`program.BLANK_MINUS_ONE`)."""
-  return type(instr)(*[
-      jnp.full_like(v, -1 if name in program_lib.BLANK_MINUS_ONE else 0)
-      for name, v in zip(type(instr)._fields, instr)])
 
 
 def run_lane(ctx: tick_lib.Stages, window: tick_lib.Window, carry: LaneCarry,
@@ -276,13 +273,13 @@ def run_lane(ctx: tick_lib.Stages, window: tick_lib.Window, carry: LaneCarry,
   """Lane `lane` runs slot `slot`'s task (-1: nothing) and update."""
   a = jnp.maximum(slot, 0)
   stage = jnp.asarray(ctx.placement.stages)[window.device, a]
-  instr = jax.tree.map(lambda column: column[stage], rows)
-  instr = jax.tree.map(lambda v, b: jnp.where(slot >= 0, v, b), instr,
-                       _blank(instr))
+  instr = type(rows)(*[  # a lane with no slot: a blank row
+      jnp.where(slot >= 0, column[stage], program_lib.blank(name))
+      for name, column in zip(type(rows)._fields, rows)])
   w = window._replace(stage=stage, candidates=tuple(range(ctx.num_stages)),
-                      choice=stage, row0=a * (ctx.program.num_slots + 1))
+                      choice=stage, lane=a)
   done = tick_lib.run_slot(ctx, view(ctx, carry, a, lane, task=True), instr,
-                           w._replace(lane=a))
+                           w)
   sender = jnp.where(instr.kind != program_lib.IDLE, stage + 1, 0)
   carry = after_task(ctx, carry, a, lane, done, sender)
 
@@ -290,7 +287,7 @@ def run_lane(ctx: tick_lib.Stages, window: tick_lib.Window, carry: LaneCarry,
     slot_view = view(ctx, c, a, lane)
     done = tick_lib.apply_update(
         ctx, w, slot_view, instr, tick_lib.reduced_gradient(ctx, slot_view),
-        lambda s, cc, g, i: tick_lib.optimizer_step(ctx, s, cc, g, i))
+        functools.partial(tick_lib.optimizer_step, ctx))
     return after_update(ctx, c, a, done)
 
   return jax.lax.cond(instr.update == 1, update, lambda c: c, carry)

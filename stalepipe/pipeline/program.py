@@ -56,6 +56,11 @@ class Instructions(NamedTuple):
 BLANK_MINUS_ONE = ("recv_forward", "recv_backward", "evict")
 
 
+def blank(name: str) -> int:
+  """Column `name`'s value where a stage does nothing (`BLANK_MINUS_ONE`)."""
+  return -1 if name in BLANK_MINUS_ONE else 0
+
+
 class Program(NamedTuple):
   """A schedule compiled for the executor."""
 
@@ -207,8 +212,7 @@ def _window_table(stream: Schedule, starts: list[int], k: int, *,
                   evict: dict) -> Instructions:
   """Window k's instructions, columns `[num_ticks, S]`."""
   B, M, S = window_minibatches, stream.num_microbatches, stream.num_stages
-  table = {name: np.full((num_ticks, S), -1 if name in BLANK_MINUS_ONE else 0,
-                         np.int32)
+  table = {name: np.full((num_ticks, S), blank(name), np.int32)
            for name in Instructions._fields}
   for t in stream.tasks:
     if not starts[k] <= t.tick < starts[k + 1]:

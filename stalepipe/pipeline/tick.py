@@ -127,10 +127,9 @@ class Window(NamedTuple):
   once: tuple = ()  # with `gather_once`: every slot's version, gathered
   #   before the window's first tick
   choice: Any = None  # int32 []: which of `candidates` this device runs
-  row0: Any = 0  # int32 []: the slot's first buffer row (the lanes' tick
-  #   reads a device's slots' buffers as one array, `lanes.py`)
-  lane: Any = None  # int32 []: with the lanes' tick, the slot running, whose
-  #   row of the stacked accumulator a task adds to; None: the slots' tick
+  lane: Any = None  # int32 []: with the lanes' tick (`lanes.py`), the slot
+  #   running: whose rows of the device's stacked buffers a task reads and
+  #   whose row of the stacked accumulator it adds to; None: the slots' tick
 
 
 def at_slot(ctx: Stages, window: Window, j: int) -> Window:
@@ -340,10 +339,11 @@ def idle(ctx: Stages, carry: TickCarry, instr, window: Window):
 
 
 def slot_of(ctx: Stages, instr, window: Window, offset: int = 0):
-  """The buffer slot of the task's micro-batch `offset` (its row, after
-  `window.row0`)."""
-  return ((instr.slot + window.base + offset) % ctx.program.num_slots
-          + window.row0)
+  """The buffer slot of the task's micro-batch `offset` (with the lanes'
+  tick, its row among the device's slots' C + 1 rows each)."""
+  C = ctx.program.num_slots
+  slot = (instr.slot + window.base + offset) % C
+  return slot if window.lane is None else slot + window.lane * (C + 1)
 
 
 def forward(ctx: Stages, s: int, carry: TickCarry, instr, window: Window):
@@ -850,8 +850,7 @@ def apply_updates(ctx: Stages, windows, carries, instrs) -> tuple:
 
 def _blank(name: str, column: jax.Array) -> jax.Array:
   """One tick of table column `name` in which a stage does nothing."""
-  return jnp.full_like(column[:1],
-                       -1 if name in program_lib.BLANK_MINUS_ONE else 0)
+  return jnp.full_like(column[:1], program_lib.blank(name))
 
 
 def with_closing_tick(table: program_lib.Instructions
