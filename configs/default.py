@@ -105,6 +105,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # "slots" (every slot every tick) or "lanes" (only the busy ones; the same
   # numbers, and the same checkpoints).
   config.tick = "auto"
+  # How a device holds its stages' weight versions (stalepipe.pipeline.pool):
+  # "slots" (one ring a slot, each as deep as its deepest stage) or "pooled"
+  # (one pool a device, the schedule's per-device figure; the same numbers).
+  config.stash = "slots"
   # What the update rule steps on (stalepipe.pipeline.scope): "auto" (the
   # whole model where the rule couples stages, e.g. grad_clip_norm), "model"
   # or "stage" (each stage's own tree).

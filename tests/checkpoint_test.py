@@ -140,12 +140,31 @@ def test_a_run_resumes_under_the_other_tick_bit_for_bit(tmp_path):
   run stopped under one resumes under the other (`tick` may change)."""
   def config(**overrides):  # two chunks on each of 2 devices
     c = tiny(pipedream_v, num_stages=4, num_microbatches=1,
-             microbatch_size=8, **overrides)
+             microbatch_size=8, stash="slots", **overrides)
     c.model_kwargs.num_hidden_layers = 3  # a block a chunk
     return c
 
   _halves_equal_straight(tmp_path, config(tick="lanes", num_steps=NUM_WINDOWS),
                          config(tick="slots"))
+
+
+@pytest.mark.slow
+def test_a_pooled_stash_resumes_bit_for_bit_and_refuses_the_other(tmp_path):
+  """A run on a pooled stash (`pool.py`) resumes from its checkpoint as a
+  run straight through; resumed with one ring a slot, it is refused in one
+  line (the state holds the versions another way), and nothing is lost."""
+  def config(**overrides):  # two chunks on each of 2 devices
+    c = tiny(pipedream_v, num_stages=4, num_microbatches=1,
+             microbatch_size=8, **overrides)
+    c.model_kwargs.num_hidden_layers = 3  # a block a chunk
+    return c
+
+  assert config().stash == "pooled"
+  _halves_equal_straight(tmp_path, config(num_steps=NUM_WINDOWS), config())
+  with pytest.raises(ValueError, match="stash"):
+    trainer.train_and_evaluate(config(stash="slots", num_steps=4 * NUM_WINDOWS),
+                               str(tmp_path / "resumed"))
+  assert _steps(tmp_path / "resumed")[-1] == 2 * NUM_WINDOWS
 
 
 def _steps(workdir):

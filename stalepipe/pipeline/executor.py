@@ -49,6 +49,7 @@ from stalepipe.pipeline import forward_only
 from stalepipe.pipeline import fsdp as fsdp_lib
 from stalepipe.pipeline import lanes as lanes_lib
 from stalepipe.pipeline import packing
+from stalepipe.pipeline import pool as pool_lib
 from stalepipe.pipeline import placement as placement_lib
 from stalepipe.pipeline import program as program_lib
 from stalepipe.pipeline import reshard as reshard_lib
@@ -85,6 +86,8 @@ def _ticks(ctx: tick_lib.Stages, window: tick_lib.Window, carries: tuple,
   """The window's loop over its ticks (`table`, with its closing tick): the
   slots' tick, or the lanes' (`lanes.py`) on the slots stacked for it."""
   xs = (table, tick_lib.last_tick(table))
+  if isinstance(carries[0].ring, pool_lib.StashPool):
+    return _pooled_ticks(ctx, window, carries, xs)
   if ctx.lanes is None:
     return jax.lax.scan(functools.partial(tick_lib.tick, ctx, window),
                         carries, xs)[0]
@@ -94,6 +97,26 @@ def _ticks(ctx: tick_lib.Stages, window: tick_lib.Window, carries: tuple,
   carry, _ = jax.lax.scan(functools.partial(lanes_lib.tick, ctx, window),
                           lanes_lib.stack(ctx, carries), (*xs, slots))
   return lanes_lib.unstack(ctx, carry)
+
+
+def _pooled_ticks(ctx: tick_lib.Stages, window: tick_lib.Window,
+                  carries: tuple, xs) -> tuple:
+  """The slots' tick on a pooled stash (`pool.py`): the pool is carried
+  once, each slot given its view for the tick; returns the carries with the
+  pool in slot 0's `ring` (as `run_window` passes it)."""
+  def step(carry, xs):
+    rest, pool, pending = carry
+    pool = pool_lib.stored(pool, pending)
+    rest, _ = tick_lib.tick(ctx, window, tuple(
+        c._replace(ring=v) for c, v in zip(rest, pool_lib.views(pool))), xs)
+    return (tuple(c._replace(ring=None) for c in rest),
+            *pool_lib.joined([c.ring for c in rest])), None
+
+  rest = tuple(c._replace(ring=None) for c in carries)
+  pool = carries[0].ring
+  nothing = tuple(pool_lib.no_write(v) for v in pool_lib.views(pool))
+  (rest, pool, pending), _ = jax.lax.scan(step, (rest, pool, nothing), xs)
+  return (rest[0]._replace(ring=pool_lib.stored(pool, pending)),) + rest[1:]
 
 
 def run_window(ctx: tick_lib.Stages, state: PipelineState, inputs, targets,
@@ -118,7 +141,8 @@ def run_window(ctx: tick_lib.Stages, state: PipelineState, inputs, targets,
       device=jax.lax.axis_index(STAGE))
   at = functools.partial(local, lead=ctx.lead)
   carries = tuple(TickCarry(
-      ring=at(state.ring, j), opt_state=at(state.opt_state, j),
+      ring=at(state.ring, min(j, len(state.ring) - 1)),  # a pool: slot 0's
+      opt_state=at(state.opt_state, j),
       grads=at(state.grads, j), grads_spent=jnp.zeros((), bool),
       buffers=at(state.buffers, j), sync=at(state.sync, j),
       loss_sum=jnp.zeros((), jnp.float32), num_losses=jnp.zeros((), jnp.int32),
@@ -144,7 +168,7 @@ def run_window(ctx: tick_lib.Stages, state: PipelineState, inputs, targets,
       lambda x: x[x.shape[0] - H * B:], tree)
   back = functools.partial(unlocal, lead=ctx.lead)
   new = PipelineState(
-      ring=back([c.ring for c in carries]),
+      ring=back([c.ring for c in carries[:len(state.ring)]]),
       opt_state=back([c.opt_state for c in carries]),
       grads=back([tick_lib.accumulated(c) for c in carries]),
       buffers=back([c.buffers for c in carries]),
@@ -265,6 +289,12 @@ class Pipeline:
       where a device has 16 times more slots than it ever runs at once,
       unsharded, optimizer_scope "stage": below that the slots' tick is
       faster on the CPU). Both train the same numbers.
+    stash: "slots" (default: one ring of weight versions a slot, as deep as
+      the deepest stage in that slot on any device) or "pooled" (one pool a
+      device of `program.pool_size` rows, the most versions its stages keep
+      at once: the schedule's per-device figure; `pool.py`). The same
+      numbers; "pooled" runs the slots' tick, unsharded, with the stage
+      scope.
 
   Examples:
     >>> import jax, optax, stalepipe as sp
@@ -285,7 +315,8 @@ class Pipeline:
                layout: str = "packed", optimizer_scope: str = "auto",
                seed: int = 0, placement: str | None = None,
                tied: Sequence[str] = (), fsdp_rule: fsdp_lib.Rule | None = None,
-               fsdp_gather: str = "task", tick: str = "auto"):
+               fsdp_gather: str = "task", tick: str = "auto",
+               stash: str = "slots"):
     if tuple(mesh.axis_names) not in ((DATA, STAGE), (DATA, STAGE, FSDP)):
       raise ValueError(f"mesh axes {tuple(mesh.axis_names)} are invalid; "
                        f"valid: ({DATA!r}, {STAGE!r}) or ({DATA!r}, "
@@ -325,13 +356,25 @@ class Pipeline:
     self.program = program_lib.compile_program(
         schedule, ring_groups=self.placement.stages.T)
     self._stale_schedule = contract.schedule_is_stale(schedule)
-    lanes = lanes_lib.plan(self.program, self.placement.stages)
-    self._lanes = lanes if lanes_lib.check(
-        tick, self.placement.num_slots, sharded,
-        self.optimizer_scope == "model", lanes) else None
+    self._hold_stash(tick, stash, sharded)
     self._param_packing = self._opt_packing = self._state_packing = None
     self._steps, self._contexts = {}, {}
     self._tables = self._static_plan = None
+
+  def _hold_stash(self, tick: str, stash: str, sharded: bool) -> None:
+    """Picks the tick (`lanes.py`; "auto" keeps the slots' with a pool) and
+    the stash (`pool.py`), recompiling the program for a pool."""
+    whole, F = self.optimizer_scope == "model", self.placement.num_slots
+    lanes = lanes_lib.plan(self.program, self.placement.stages)
+    self._lanes = lanes if lanes_lib.check(
+        "slots" if (stash, tick) == ("pooled", "auto") else tick, F,
+        sharded, whole, lanes) else None
+    self.pooled = pool_lib.check(stash, F, sharded, whole,
+                                 self._lanes is not None)
+    if self.pooled:
+      self.program = program_lib.compile_program(
+          self.schedule, ring_groups=self.placement.stages.T,
+          pools=self.placement.stages)
 
   @property
   def lanes(self) -> int | None:
@@ -392,6 +435,8 @@ class Pipeline:
 
   def _fetch(self, x) -> np.ndarray:
     """The whole of a mesh-wide array, on every process."""
+    if isinstance(x, np.ndarray):
+      return x
     if x.is_fully_addressable:
       return np.asarray(jax.device_get(x))
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
@@ -448,8 +493,9 @@ class Pipeline:
       shapes, opt = params.trees, fsdp_lib.Shards(
           opt, self.fsdp, self.fsdp_rule, like=params).trees
     row, opt_row = self.layout(shapes).row_bytes, self.layout(opt).row_bytes
-    versions = max(sum(self.program.ring_sizes[s] for s in stages)
-                   for stages in self.placement.stages)
+    versions = self.program.pool_size or max(
+        sum(self.program.ring_sizes[s] for s in stages)
+        for stages in self.placement.stages)
     slots = self.placement.num_slots
     out = {"weights": versions * row, "optimizer": slots * opt_row,
            "accumulator": slots * row}
@@ -486,9 +532,12 @@ class Pipeline:
       opt = self._opt_packing.pack_all(opt_states)
       init_sync = jax.vmap(self.sync.init_state)
     members = self.fsdp > 1
+    rings = ([pool_lib.initial(params, self.placement.stages,
+                               self.program.pool_size)] if self.pooled
+             else [self._initial_ring(params, stages)
+                   for stages in self.placement.stages.T])
     return PipelineState(
-        ring=self._put_slots([self._initial_ring(params, stages)
-                              for stages in self.placement.stages.T], members),
+        ring=self._put_slots(rings, members),
         opt_state=self._per_device(opt, members),
         grads=self._per_device(jax.tree.map(jnp.zeros_like, params), members),
         buffers=None, history=None,
@@ -575,7 +624,13 @@ class Pipeline:
   def params(self, state: PipelineState, replica: int = 0) -> tuple[Any, ...]:
     """The latest weights of the S stages held by data replica `replica`."""
     rows = {}
-    for j, ring in enumerate(state.ring):
+    if self.pooled:
+      pool = jax.tree.map(lambda v: self._fetch(v)[replica], state.ring[0])
+      for (d, j), s in np.ndenumerate(self.placement.stages):
+        at = pool_lib.latest_row(pool.versions[d], pool.owner[d],
+                                 pool.latest[d], j)
+        rows[int(s)] = {k: v[d, at] for k, v in pool.params.items()}
+    for j, ring in enumerate(() if self.pooled else state.ring):
       versions, latest = (self._fetch(ring.versions)[replica],
                           self._fetch(ring.latest)[replica])
       flat = {k: self._fetch(v)[replica] for k, v in ring.params.items()}
@@ -597,6 +652,10 @@ class Pipeline:
   def updates_applied(self, state: PipelineState) -> np.ndarray:
     """The updates each stage has applied, `[D, S]` (replicas, stages in
     stage order), on every process."""
+    if self.pooled:
+      latest = self._fetch(state.ring[0].latest)
+      return self._stage_rows([latest[..., j] for j in
+                               range(self.placement.num_slots)])
     return self._stage_rows(state.ring, lambda r: r.latest)
 
   def stage_states(self, state: PipelineState,
@@ -747,11 +806,15 @@ class Pipeline:
         tree)
     inputs, targets = zeros(state.history.inputs), zeros(state.history.targets)
     total, count = 0.0, 0
+    window = int(self._fetch(state.step))
+    drains = [program_lib.drain_table(self.program, window + j, (H - j) * B)
+              for j in range(H)]
+    if self.pooled:  # the rows its updates overwrite, from the pool as it is
+      drains = pool_lib.replan(drains, jax.tree.map(
+          lambda v: self._fetch(v)[0], state.ring[0]), self.placement.stages)
     for j in range(H):
-      window = int(self._fetch(state.step))
       state, inputs, targets, _, plan = self.arguments(state, inputs, targets)
-      tables = jax.tree.map(lambda c: self._put(c, P()), program_lib.drain_table(
-          self.program, window, (H - j) * B))
+      tables = jax.tree.map(lambda c: self._put(c, P()), drains[j])
       state, metrics = self._step_fn(inputs, targets)(state, inputs, targets,
                                                       tables, plan)
       n = int(metrics["num_losses"])

@@ -21,6 +21,7 @@ from stalepipe.pipeline import boundary as boundary_lib
 from stalepipe.pipeline import fsdp
 from stalepipe.pipeline import packing
 from stalepipe.pipeline import placement as placement_lib
+from stalepipe.pipeline import pool as pool_lib
 from stalepipe.pipeline import stage as stage_lib
 from stalepipe.pipeline import tick as tick_lib
 from stalepipe.pipeline.state import PipelineState, local
@@ -92,7 +93,10 @@ def _slot(ctx: Forward, state: PipelineState, inputs, targets, replica,
   """Slot j of this device: its stage and the forward of each stage a
   device may hold there (`placement.py`), on its latest weights."""
   candidates = ctx.placement.stages[:, j]
-  weights = tick_lib.read_version(local(state.ring, j, ctx.lead), 0)
+  ring = local(state.ring, min(j, len(state.ring) - 1), ctx.lead)
+  if isinstance(ring, pool_lib.StashPool):  # slot j's rows of the pool
+    ring = pool_lib.views(ring)[j]
+  weights = tick_lib.read_version(ring, 0)
   if ctx.sharded is not None:
     weights = fsdp.gather(weights)
   branches = [functools.partial(_forward, ctx, int(s), inputs, targets,

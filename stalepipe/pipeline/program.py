@@ -50,10 +50,14 @@ class Instructions(NamedTuple):
   update_lag: np.ndarray  # the version its gradient was computed on, as a lag
   update_staleness: np.ndarray  # updates since its forward read (tau)
   evict: np.ndarray  # the version the update overwrites, as a lag; -1: empty
+  #   (a pooled stash: the lag behind this stage's latest of the version of
+  #   local slot `evict_slot` it overwrites, `pool.py`)
+  evict_slot: np.ndarray  # a pooled stash: the local slot whose version the
+  #   update overwrites; -1: an empty row (and always -1 without a pool)
 
 
 # Columns whose blank is -1 (the others' is 0).
-BLANK_MINUS_ONE = ("recv_forward", "recv_backward", "evict")
+BLANK_MINUS_ONE = ("recv_forward", "recv_backward", "evict", "evict_slot")
 
 
 def blank(name: str) -> int:
@@ -71,6 +75,9 @@ class Program(NamedTuple):
   #   ring holds (R_s; `evict` is planned for it)
   history: int  # H: earlier windows whose inputs tasks still read
   backward_width: int  # micro-batches one backward covers (M for nF1B)
+  pool_size: int = 0  # rows of a device's pooled stash (`pool.py`; the most
+  #   versions its stages hold at once, the most over the devices); 0: the
+  #   stash is held in one ring a slot (`ring_sizes`)
 
   @property
   def num_versions(self) -> int:
@@ -166,6 +173,20 @@ def _ring_evictions(updates: list[int], reads: dict[int, int], size: int
   return evict
 
 
+def _stage_reads(schedule: Schedule) -> tuple[list[dict], list[dict]]:
+  """Per stage, `{version: last tick it is read}` by tasks, and by updates
+  (their `stale_params`)."""
+  S = schedule.num_stages
+  tasks, updates = [{} for _ in range(S)], [{} for _ in range(S)]
+  for t in schedule.tasks:
+    v = schedule.task_version(t)
+    tasks[t.stage][v] = max(tasks[t.stage].get(v, -1), t.tick)
+  for (s, p), u in schedule.update_ticks.items():
+    v = schedule.gradient_version(s, p)
+    updates[s][v] = max(updates[s].get(v, -1), u)
+  return tasks, updates
+
+
 def _plan_versions(schedule: Schedule, ring_groups=None
                    ) -> tuple[dict, tuple[int, ...]]:
   """Which stashed version each update overwrites, and each stage's ring size.
@@ -181,13 +202,9 @@ def _plan_versions(schedule: Schedule, ring_groups=None
     and the ring size of each stage.
   """
   S = schedule.num_stages
-  reads = [{} for _ in range(S)]  # stage -> {version: last tick it is read}
-  for t in schedule.tasks:
-    v = schedule.task_version(t)
-    reads[t.stage][v] = max(reads[t.stage].get(v, -1), t.tick)
-  for (s, p), u in schedule.update_ticks.items():  # its stale_params
-    v = schedule.gradient_version(s, p)
-    reads[s][v] = max(reads[s].get(v, -1), u)
+  task_reads, update_reads = _stage_reads(schedule)
+  reads = [{v: max(a.get(v, -1), b.get(v, -1)) for v in {*a, *b}}
+           for a, b in zip(task_reads, update_reads)]
   updates = [sorted(u for (t, _), u in schedule.update_ticks.items() if t == s)
              for s in range(S)]
   needed = []
@@ -204,6 +221,74 @@ def _plan_versions(schedule: Schedule, ring_groups=None
            for u, lag in _ring_evictions(updates[s], reads[s],
                                          sizes[s]).items()}
   return evict, tuple(sizes)
+
+
+def pool_evictions(updates: list[tuple[int, int]], reads: list[dict],
+                   update_reads: list[dict], size: int, live=None,
+                   latest=None) -> dict | None:
+  """One device's pooled stash of `size` rows over its slots' updates
+  (`(tick, slot)` in the order the tick applies them): at each, `(slot,
+  lag)` of the version it overwrites, the lag behind the updating stage's
+  latest (`(-1, -1)`: an empty row); None if some update finds no row.
+
+  A version is dead once no later task reads it (`reads`, as in
+  `_ring_evictions`) and, for another slot's version, no update of that
+  slot still to come reads it (`update_reads`: its `stale_params`) and it
+  is not that slot's latest (the weights its next update steps from). A
+  drain leaves updates out, so it plans its own rows (`pool.replan`).
+  The update takes the oldest dead version of its own slot, else the
+  oldest of the lowest other slot.
+  """
+  F = len(reads)
+  live = {(j, 0) for j in range(F)} if live is None else set(live)
+  latest = [0] * F if latest is None else list(latest)
+  evict = {}
+  for u, j in updates:
+    if len(live) < size:
+      evict[(u, j)] = (-1, -1)
+    else:
+      def dead(o, v, u=u, j=j):
+        if o == j:
+          return max(reads[o].get(v, -1), update_reads[o].get(v, -1)) <= u
+        last = update_reads[o].get(v, -1)
+        return (v != latest[o] and reads[o].get(v, -1) <= u
+                and (last < u or (last == u and o < j)))
+      dead_rows = sorted((o != j, o, v) for o, v in live if dead(o, v))
+      if not dead_rows:
+        return None
+      _, o, v = dead_rows[0]
+      evict[(u, j)] = (o, latest[j] - v)
+      live.remove((o, v))
+    latest[j] += 1
+    live.add((j, latest[j]))
+  return evict
+
+
+def _plan_pool(schedule: Schedule, devices) -> tuple[dict, int]:
+  """Which version each update overwrites in a stash pooled per device
+  (`devices`: the stages of each device, in local slot order), and the
+  pool's size: the fewest rows with which every device's updates find one.
+
+  Returns:
+    `(stage, update tick) -> (local slot, lag)` (`pool_evictions`), and the
+    pool's rows.
+  """
+  reads, update_reads = _stage_reads(schedule)
+  plans, size = [], max(len(stages) for stages in devices)
+  for stages in devices:
+    slot = {int(s): j for j, s in enumerate(stages)}
+    updates = sorted((u, slot[s]) for (s, _), u in
+                     schedule.update_ticks.items() if s in slot)
+    args = ([reads[int(s)] for s in stages],
+            [update_reads[int(s)] for s in stages])
+    while pool_evictions(updates, *args, size) is None:
+      size += 1
+    plans.append((stages, updates, args))
+  evict = {}
+  for stages, updates, args in plans:  # every device plans for the one size
+    for (u, j), row in pool_evictions(updates, *args, size).items():
+      evict[(int(stages[j]), u)] = row
+  return evict, size
 
 
 def _window_table(stream: Schedule, starts: list[int], k: int, *,
@@ -236,16 +321,19 @@ def _window_table(stream: Schedule, starts: list[int], k: int, *,
   for (s, p), u in stream.update_ticks.items():
     if starts[k] <= u < starts[k + 1]:
       applied = stream.applied(s, u)
+      evict_slot, lag = (evict[(s, u)] if isinstance(evict[(s, u)], tuple)
+                         else (-1, evict[(s, u)]))
       row = {"update": 1, "update_minibatch": p - (k - history) * B,
              "update_lag": applied - stream.gradient_version(s, p),
              "update_staleness": applied - stream.forward_version(s, p),
-             "evict": evict[(s, u)]}
+             "evict": lag, "evict_slot": evict_slot}
       for name, value in row.items():
         table[name][u - starts[k], s] = value
   return Instructions(**table)
 
 
-def compile_program(schedule: Schedule, ring_groups=None) -> Program:
+def compile_program(schedule: Schedule, ring_groups=None,
+                    pools=None) -> Program:
   """Turns `schedule` (its window of B minibatches) into instruction tables.
 
   Args:
@@ -254,6 +342,9 @@ def compile_program(schedule: Schedule, ring_groups=None) -> Program:
     ring_groups: sets of stages whose rings are one array (the stages in one
       slot of a placement, `placement.py`), so of one size; default: each
       stage's ring holds the versions it needs.
+    pools: the stages of each device, in local slot order, whose versions
+      share one pooled stash (`pool.py`; `Program.pool_size` rows, and each
+      update's row planned by `_plan_pool`); default: a ring a stage.
 
   Returns:
     The program.
@@ -274,6 +365,8 @@ def compile_program(schedule: Schedule, ring_groups=None) -> Program:
     oldest = min(p - k * B for k in range(K) for tick, p in events
                  if starts[k] <= tick < starts[k + 1])
     evict, ring_sizes = _plan_versions(stream, ring_groups)
+    if pools is not None:
+      evict, pool_size = _plan_pool(stream, pools)
     kinds = tuple(k for k in kinds_lib.KINDS
                   if any(t.kind == k for t in stream.tasks))
     layout = dict(
@@ -297,7 +390,8 @@ def compile_program(schedule: Schedule, ring_groups=None) -> Program:
       tables=Instructions(*[np.stack(column) for column in zip(*kept)]),
       kinds=kinds, num_slots=layout["num_slots"], ring_sizes=ring_sizes,
       history=layout["history"],
-      backward_width=M if stream.backward_covers_minibatch else 1)
+      backward_width=M if stream.backward_covers_minibatch else 1,
+      pool_size=0 if pools is None else pool_size)
 
 
 def drain_table(program: Program, window: int, first_new: int) -> Instructions:

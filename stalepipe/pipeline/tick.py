@@ -38,6 +38,7 @@ from stalepipe.pipeline import contract
 from stalepipe.pipeline import fsdp
 from stalepipe.pipeline import packing
 from stalepipe.pipeline import placement as placement_lib
+from stalepipe.pipeline import pool as pool_lib
 from stalepipe.pipeline import program as program_lib
 from stalepipe.pipeline import residuals as residuals_lib
 from stalepipe.pipeline import scope as scope_lib
@@ -177,9 +178,13 @@ def ring_slot(versions: jax.Array, version) -> jax.Array:
   return jnp.argmax(versions == version)
 
 
-def read_version(ring: WeightRing, lag) -> packing.Flat:
+def read_version(ring: WeightRing | pool_lib.PoolView, lag) -> packing.Flat:
   """The packed version `lag` updates behind the latest (a ring of one
-  version, a schedule without stashes, reads its only slot in place)."""
+  version, a schedule without stashes, reads its only slot in place; a
+  slot's view of a pooled stash reads its own rows, `pool.py`)."""
+  if isinstance(ring, pool_lib.PoolView):
+    at = pool_lib.row(ring, ring.latest - lag)
+    return {k: v[at] for k, v in ring.params.items()}
   if ring.versions.shape[0] == 1:
     return {k: v[0] for k, v in ring.params.items()}
   slot = ring_slot(ring.versions, ring.latest - lag)
@@ -771,9 +776,14 @@ def model_step(ctx: Stages, carries, grads, instr):
                           ctx.tied), opt_state)
 
 
-def write_version(ring: WeightRing, params: packing.Flat, evict) -> WeightRing:
+def write_version(ring: WeightRing | pool_lib.PoolView, params: packing.Flat,
+                  evict, evict_slot) -> WeightRing | pool_lib.Write:
   """Stores the next version, over the slot of the version `evict` updates
-  behind the latest (or an empty slot when `evict` < 0)."""
+  behind the latest (or an empty slot when `evict` < 0); in a pooled stash,
+  the `pool.Write` of the row `evict_slot` and `evict` name, which
+  `pooled_updates` stores."""
+  if isinstance(ring, pool_lib.PoolView):
+    return pool_lib.write(ring, params, evict, evict_slot)
   slot = jnp.where(evict >= 0, ring_slot(ring.versions, ring.latest - evict),
                    ring_slot(ring.versions, -1))
   return WeightRing(
@@ -806,13 +816,38 @@ def apply_update(ctx: Stages, window: Window, carry: TickCarry, instr, grads,
   params, sync_state = ctx.sync.after_update(
       params, read_version(carry.ring, 0), carry.sync, event, DATA)
   return carry._replace(
-      ring=write_version(carry.ring, params, instr.evict), opt_state=opt_state,
+      ring=write_version(carry.ring, params, instr.evict, instr.evict_slot),
+      opt_state=opt_state,
       grads_spent=jnp.ones((), bool), sync=sync_state)
 
 
 def reduced_gradient(ctx: Stages, carry: TickCarry):
   """The minibatch's gradient as the sync policy reduces it over 'data'."""
   return ctx.sync.reduce_gradient(accumulated(carry), DATA)
+
+
+def pooled_updates(ctx: Stages, windows, carries, instrs, own, inputs
+                   ) -> tuple:
+  """`apply_updates` on a pooled stash (`pool.py`): the slots update one
+  after another, each on the pool as the one before left it; the pool
+  enters each update's conditional as an operand only, and the new version
+  is tagged after it and stored as the next tick begins (`pool.claim`,
+  `pool.stored`)."""
+  done, view = [], carries[-1].ring  # as the last slot's task left it
+  for w, c, i in zip(windows, carries, instrs):
+    view = pool_lib.rebase(c.ring, view)
+
+    def update(c, w=w, i=i, view=view):
+      c = c._replace(ring=view)
+      return apply_update(ctx, w, c, i, inputs(c, i), own)
+
+    c = jax.lax.cond(i.update == 1, update,
+                     lambda c, view=view: c._replace(
+                         ring=pool_lib.no_write(view)),
+                     c._replace(ring=None))
+    view = pool_lib.claim(view, c.ring)
+    done.append(c._replace(ring=view))
+  return tuple(done)
 
 
 def apply_updates(ctx: Stages, windows, carries, instrs) -> tuple:
@@ -826,6 +861,8 @@ def apply_updates(ctx: Stages, windows, carries, instrs) -> tuple:
     else:  # the gathers run before the per-stage branch, not inside it
       own, inputs = functools.partial(gathered_step, ctx), (
           lambda c, i: gathered_inputs(ctx, c, reduced_gradient(ctx, c), i))
+    if isinstance(carries[0].ring, pool_lib.PoolView):
+      return pooled_updates(ctx, windows, carries, instrs, own, inputs)
     return tuple(jax.lax.cond(
         i.update == 1,
         lambda c, w=w, i=i: apply_update(ctx, w, c, i, inputs(c, i), own),
@@ -909,5 +946,11 @@ def tick(ctx: Stages, window: Window, carries: tuple, xs):
     windows = [w._replace(gathered=window.once[j] if ctx.gather_once
                           else fsdp.gather(predicted_part(ctx, c, i, w)))
                for j, (w, c, i) in enumerate(zip(windows, carries, instrs))]
-  done = [run_slot(ctx, c, i, w) for w, c, i in zip(windows, carries, instrs)]
+  done = []
+  for w, c, i in zip(windows, carries, instrs):
+    if done and isinstance(c.ring, pool_lib.PoolView):
+      # The pool passes through each slot's task in turn: given to every
+      # task at once, XLA would copy it for each.
+      c = c._replace(ring=pool_lib.rebase(c.ring, done[-1].ring))
+    done.append(run_slot(ctx, c, i, w))
   return apply_updates(ctx, windows, done, instrs), None

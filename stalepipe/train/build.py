@@ -251,7 +251,7 @@ def parts(config: ml_collections.ConfigDict) -> Parts:
       optimizers.from_config(config, num_replicas=D), mesh,
       sync=_sync(config, schedule), remat=config.get("remat", "recompute"),
       optimizer_scope=config.get("optimizer_scope", "auto"),
-      tick=config.get("tick", "auto"),
+      tick=config.get("tick", "auto"), stash=config.get("stash", "slots"),
       placement=config.get("placement", "consecutive"))  # a device-level
   #   schedule refuses any but its own (`placement.for_schedule`)
   _check_state_memory(config, pipeline, staged.stage_params)

@@ -38,7 +38,7 @@ RESUMABLE_CHANGES = frozenset({"num_steps", "log_every", "eval_every",
                                "tick"})
 # Fields newer than some checkpoints: a checkpoint without one was written
 # with this value of it.
-ABSENT_MEANS = {"fsdp": 1}
+ABSENT_MEANS = {"fsdp": 1, "stash": "slots"}
 
 
 def _key(path) -> str:

@@ -33,6 +33,7 @@ from stalepipe import sync as sync_lib
 from stalepipe.models import losses
 from stalepipe.pipeline import placement as placement_lib
 from stalepipe.pipeline import lanes as lanes_lib
+from stalepipe.pipeline import pool as pool_lib
 from stalepipe.pipeline import residuals as residuals_lib
 from stalepipe.pipeline import scope as scope_lib
 from stalepipe.train import optimizers
@@ -273,6 +274,9 @@ def _check_remat(config) -> None:
   if "tick" in config:
     _check_range("tick", config.tick, (lambda v: v in lanes_lib.TICKS,
                                        " or ".join(map(repr, lanes_lib.TICKS))))
+  if "stash" in config:
+    _check_range("stash", config.stash, (lambda v: v in pool_lib.MODES,
+                                         " or ".join(map(repr, pool_lib.MODES))))
 
 
 def stage_devices(config) -> int:
