@@ -9,7 +9,9 @@ stage in that slot on any device) and `stash="pooled"` (`pool.py`: one pool
 a device, `Program.pool_size` rows). For each, the schedule's figure (the
 most versions one device keeps at once, `Schedule.device_stash_depth` over
 48 minibatches), the rows each executor holds, the bytes of one device's
-shard of the weight versions as placed, and the step time pooled over slots
+shard of the weight versions as placed, the compiled step's peak (its
+arguments and temporaries, `memory_analysis()`, one device), and the step
+time pooled over slots
 (interleaved rounds, medians; the same window, the same numbers: the tests
 check them bit for bit).
 
@@ -56,9 +58,12 @@ def build(name, placement, stash, x, y):
   figure = (max(long.device_stash_depth) if long.num_devices else
             max(sum(long.stash_depth[s] for s in stages)
                 for stages in pipe.placement.stages))
+  memory = step_fn.memory_analysis()
   return run, {"rows": rows, "figure": figure,
                "weight_bytes": common.shard_bytes(
-                   [r.params for r in box[0].ring])}
+                   [r.params for r in box[0].ring]),
+               "peak_bytes": (memory.argument_size_in_bytes
+                              + memory.temp_size_in_bytes)}
 
 
 def main(argv):
@@ -74,7 +79,8 @@ def main(argv):
   rows = {}
   print(f"{'schedule':22s} {'placement':>11s} {'figure':>6s} "
         f"{'rows slots':>10s} {'rows pooled':>11s} {'MiB slots':>9s} "
-        f"{'MiB pooled':>10s} {'time pooled/slots':>17s}")
+        f"{'MiB pooled':>10s} {'peak slots':>10s} {'peak pooled':>11s} "
+        f"{'time pooled/slots':>17s}")
   for name, placement in RUNS:
     key = f"{name}@{placement or 'own'}"
     slots, pooled = info[f"{key}@slots"], info[f"{key}@pooled"]
@@ -84,11 +90,15 @@ def main(argv):
                  "rows_pooled": pooled["rows"],
                  "bytes_slots": slots["weight_bytes"],
                  "bytes_pooled": pooled["weight_bytes"],
+                 "peak_slots": slots["peak_bytes"],
+                 "peak_pooled": pooled["peak_bytes"],
                  "time_pooled_over_slots": ratio}
     print(f"{name:22s} {placement or 'own':>11s} {slots['figure']:6d} "
           f"{slots['rows']:10d} {pooled['rows']:11d} "
           f"{slots['weight_bytes'] / 2**20:9.2f} "
-          f"{pooled['weight_bytes'] / 2**20:10.2f} {ratio:17.3f}")
+          f"{pooled['weight_bytes'] / 2**20:10.2f} "
+          f"{slots['peak_bytes'] / 2**20:10.2f} "
+          f"{pooled['peak_bytes'] / 2**20:11.2f} {ratio:17.3f}")
   harness.record("pooled_stash", {
       "config": common.config("hidden", "layers", "batch", "devices",
                               "repeats"),

@@ -108,15 +108,19 @@ def _pooled_ticks(ctx: tick_lib.Stages, window: tick_lib.Window,
     rest, pool, pending = carry
     pool = pool_lib.stored(pool, pending)
     rest, _ = tick_lib.tick(ctx, window, tuple(
-        c._replace(ring=v) for c, v in zip(rest, pool_lib.views(pool))), xs)
+        c._replace(ring=v) for c, v in zip(rest, pool_lib.views(pool,
+                                                                pending))),
+                            xs)
     return (tuple(c._replace(ring=None) for c in rest),
             *pool_lib.joined([c.ring for c in rest])), None
 
   rest = tuple(c._replace(ring=None) for c in carries)
   pool = carries[0].ring
-  nothing = tuple(pool_lib.no_write(v) for v in pool_lib.views(pool))
-  (rest, pool, pending), _ = jax.lax.scan(step, (rest, pool, nothing), xs)
-  return (rest[0]._replace(ring=pool_lib.stored(pool, pending)),) + rest[1:]
+  # The window's closing tick has no update (`tick.with_closing_tick`), so
+  # nothing is left to store after it.
+  (rest, pool, _), _ = jax.lax.scan(step, (rest, pool,
+                                              pool_lib.nothing(pool)), xs)
+  return (rest[0]._replace(ring=pool),) + rest[1:]
 
 
 def run_window(ctx: tick_lib.Stages, state: PipelineState, inputs, targets,

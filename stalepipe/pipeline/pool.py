@@ -76,10 +76,13 @@ def check(stash: str, num_slots: int, sharded: bool, whole_model: bool,
   return True
 
 
-def views(pool: StashPool) -> list[PoolView]:
-  """Each local slot's view of this device's pool (`[R, ...]` blocks)."""
+def views(pool: StashPool, pending=None) -> list[PoolView]:
+  """Each local slot's view of this device's pool (`[R, ...]` blocks), with
+  its last `Write` (`pending`, stored)."""
+  pending = pending or (None,) * pool.latest.shape[0]
   return [PoolView(pool.params, pool.versions, pool.owner, pool.latest[j],
-                   jnp.int32(j)) for j in range(pool.latest.shape[0])]
+                   jnp.int32(j), pending[j])
+          for j in range(pool.latest.shape[0])]
 
 
 def rebase(view: PoolView, on: PoolView) -> PoolView:
@@ -123,19 +126,25 @@ def write(view: PoolView, params: packing.Flat, evict, evict_slot) -> Write:
 
 
 def no_write(view: PoolView) -> Write:
-  """`write`'s value where the slot has no update."""
-  return Write(jnp.int32(0), {k: jnp.zeros(v.shape[1:], v.dtype)
-                              for k, v in view.params.items()},
-               jnp.zeros((), bool))
+  """`write`'s value where the slot has no update: the weights of its last
+  `Write`, already stored, passed through (a new row of zeros would be
+  written every tick)."""
+  return view.pending._replace(done=jnp.zeros((), bool))
+
+
+def nothing(pool: StashPool) -> tuple[Write, ...]:
+  """Every slot's `Write` before a window's first tick: none."""
+  row = {k: jnp.zeros(v.shape[1:], v.dtype) for k, v in pool.params.items()}
+  return tuple(Write(jnp.int32(0), row, jnp.zeros((), bool))
+               for _ in range(pool.latest.shape[0]))
 
 
 def store(params: packing.Flat, new: Write) -> packing.Flat:
   """`params` with `new`'s row written in place where `new.done`."""
-  def put(v, x):
-    old = jax.lax.dynamic_index_in_dim(v, new.row, 0, keepdims=False)
-    return jax.lax.dynamic_update_index_in_dim(
-        v, jnp.where(new.done, x, old), new.row, 0)
-  return {k: put(v, new.params[k]) for k, v in params.items()}
+  put = lambda v, x: jax.lax.dynamic_update_index_in_dim(v, x, new.row, 0)  # pylint: disable=unnecessary-lambda-assignment
+  return jax.lax.cond(
+      new.done, lambda p: {k: put(v, new.params[k]) for k, v in p.items()},
+      lambda p: p, params)
 
 
 def claim(view: PoolView, new: Write) -> PoolView:
