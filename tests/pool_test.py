@@ -140,3 +140,18 @@ def test_what_a_pool_does_not_run_is_refused_in_one_line(kwargs, message):
 def test_a_pool_keeps_the_slots_tick_under_auto():
   pipe = _pipe(stash="pooled")
   assert pipe.pooled and pipe.lanes is None
+
+
+def test_the_compiled_step_writes_the_pool_in_place():
+  """No copy of the pool in the compiled window (XLA copies an array that a
+  conditional writes while another reads it unordered: `pool.claim`)."""
+  pipe = _pipe(stash="pooled")
+  schedule = pipe.schedule
+  staged = sp.models.split(sp.models.mlp(8, 16, schedule.num_stages, 4),
+                           schedule.num_stages)
+  x, y = _windows(1, 2, schedule.num_microbatches, 4)[0]
+  text = pipe.compile(pipe.init(staged.stage_params), x, y).as_text()
+  rows, length = jax.tree.leaves(pipe.init(staged.stage_params).ring[0]
+                                 .params)[0].shape[2:]
+  assert f"f32[{rows},{length}]" in text
+  assert f"f32[{rows},{length}]{{1,0}} copy(" not in text

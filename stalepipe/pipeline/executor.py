@@ -105,21 +105,14 @@ def _pooled_ticks(ctx: tick_lib.Stages, window: tick_lib.Window,
   once, each slot given its view for the tick; returns the carries with the
   pool in slot 0's `ring` (as `run_window` passes it)."""
   def step(carry, xs):
-    rest, pool, pending = carry
-    pool = pool_lib.stored(pool, pending)
+    rest, pool = carry
     rest, _ = tick_lib.tick(ctx, window, tuple(
-        c._replace(ring=v) for c, v in zip(rest, pool_lib.views(pool,
-                                                                pending))),
-                            xs)
+        c._replace(ring=v) for c, v in zip(rest, pool_lib.views(pool))), xs)
     return (tuple(c._replace(ring=None) for c in rest),
-            *pool_lib.joined([c.ring for c in rest])), None
+            pool_lib.joined([c.ring for c in rest])), None
 
   rest = tuple(c._replace(ring=None) for c in carries)
-  pool = carries[0].ring
-  # The window's closing tick has no update (`tick.with_closing_tick`), so
-  # nothing is left to store after it.
-  (rest, pool, _), _ = jax.lax.scan(step, (rest, pool,
-                                              pool_lib.nothing(pool)), xs)
+  (rest, pool), _ = jax.lax.scan(step, (rest, carries[0].ring), xs)
   return (rest[0]._replace(ring=pool),) + rest[1:]
 
 

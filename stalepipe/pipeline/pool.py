@@ -25,7 +25,7 @@ row. The slots' updates in a tick run one after another on the one pool
 `Pipeline(stash="pooled")`, config `stash`.
 """
 
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -56,7 +56,6 @@ class PoolView(NamedTuple):
   owner: jax.Array  # int32 [R]
   latest: jax.Array  # int32 []: this slot's
   slot: jax.Array  # int32 []
-  pending: Any = None  # `Write`: its update's weights, not yet stored
 
 
 def check(stash: str, num_slots: int, sharded: bool, whole_model: bool,
@@ -76,13 +75,10 @@ def check(stash: str, num_slots: int, sharded: bool, whole_model: bool,
   return True
 
 
-def views(pool: StashPool, pending=None) -> list[PoolView]:
-  """Each local slot's view of this device's pool (`[R, ...]` blocks), with
-  its last `Write` (`pending`, stored)."""
-  pending = pending or (None,) * pool.latest.shape[0]
+def views(pool: StashPool) -> list[PoolView]:
+  """Each local slot's view of this device's pool (`[R, ...]` blocks)."""
   return [PoolView(pool.params, pool.versions, pool.owner, pool.latest[j],
-                   jnp.int32(j), pending[j])
-          for j in range(pool.latest.shape[0])]
+                   jnp.int32(j)) for j in range(pool.latest.shape[0])]
 
 
 def rebase(view: PoolView, on: PoolView) -> PoolView:
@@ -91,13 +87,11 @@ def rebase(view: PoolView, on: PoolView) -> PoolView:
                        owner=on.owner)
 
 
-def joined(done: list[PoolView]) -> tuple[StashPool, tuple]:
-  """The pool after every slot's update (each rebased on the one before),
-  and their weights still to store (`stored`)."""
+def joined(done: list[PoolView]) -> StashPool:
+  """The pool after every slot's update (each rebased on the one before)."""
   last = done[-1]
-  return (StashPool(last.params, last.versions, last.owner,
-                    jnp.stack([v.latest for v in done])),
-          tuple(v.pending for v in done))
+  return StashPool(last.params, last.versions, last.owner,
+                   jnp.stack([v.latest for v in done]))
 
 
 def row(view: PoolView, version) -> jax.Array:
@@ -106,7 +100,7 @@ def row(view: PoolView, version) -> jax.Array:
 
 
 class Write(NamedTuple):
-  """An update's new version, to be stored in the pool (`commit`) outside
+  """An update's new version, to be stored in the pool (`claim`) outside
   the update's conditional: a conditional that wrote the pool itself would
   make XLA copy the whole pool, in both of its branches."""
 
@@ -126,17 +120,11 @@ def write(view: PoolView, params: packing.Flat, evict, evict_slot) -> Write:
 
 
 def no_write(view: PoolView) -> Write:
-  """`write`'s value where the slot has no update: the weights of its last
-  `Write`, already stored, passed through (a new row of zeros would be
-  written every tick)."""
-  return view.pending._replace(done=jnp.zeros((), bool))
-
-
-def nothing(pool: StashPool) -> tuple[Write, ...]:
-  """Every slot's `Write` before a window's first tick: none."""
-  row = {k: jnp.zeros(v.shape[1:], v.dtype) for k, v in pool.params.items()}
-  return tuple(Write(jnp.int32(0), row, jnp.zeros((), bool))
-               for _ in range(pool.latest.shape[0]))
+  """`write`'s value where the slot has no update (a row it does not
+  store)."""
+  return Write(jnp.int32(0), {k: jnp.zeros(v.shape[1:], v.dtype)
+                              for k, v in view.params.items()},
+               jnp.zeros((), bool))
 
 
 def store(params: packing.Flat, new: Write) -> packing.Flat:
@@ -147,29 +135,18 @@ def store(params: packing.Flat, new: Write) -> packing.Flat:
       lambda p: p, params)
 
 
-def claim(view: PoolView, new: Write) -> PoolView:
-  """`view` with `new`'s row tagged as this slot's next version (where
-  `new.done`); its weights wait in `pending` until the next tick begins
-  (`stored`)."""
+def claim(view: PoolView, new: Write, after) -> PoolView:
+  """`view` with `new` stored in its row and tagged as this slot's next
+  version, where `new.done` (`after`: True, computed from what every slot's
+  task of the tick returned, so that XLA writes the pool in place after
+  those tasks' reads rather than copying it)."""
   keep = lambda x, y: jnp.where(new.done, x, y)  # pylint: disable=unnecessary-lambda-assignment
   tag = lambda v, x: v.at[new.row].set(keep(x, v[new.row]))  # pylint: disable=unnecessary-lambda-assignment
-  return view._replace(versions=tag(view.versions, view.latest + 1),
-                       owner=tag(view.owner, view.slot),
-                       latest=keep(view.latest + 1, view.latest), pending=new)
-
-
-def stored(pool: StashPool, pending) -> StashPool:
-  """`pool` with the weights of the last tick's updates written in.
-
-  They are written at the start of the tick after their update, before any
-  task reads the pool: written at the end of their own tick, after the
-  tasks' reads but with no data path from those reads, they would make XLA
-  copy the whole pool each tick.
-  """
-  params = pool.params
-  for new in pending:
-    params = store(params, new)
-  return pool._replace(params=params)
+  return view._replace(
+      params=store(view.params, new._replace(done=new.done & after)),
+      versions=tag(view.versions, view.latest + 1),
+      owner=tag(view.owner, view.slot), latest=keep(view.latest + 1,
+                                                    view.latest))
 
 
 def initial(params: packing.Flat, stages: np.ndarray, size: int) -> StashPool:

@@ -831,9 +831,9 @@ def pooled_updates(ctx: Stages, windows, carries, instrs, own, inputs
   """`apply_updates` on a pooled stash (`pool.py`): the slots update one
   after another, each on the pool as the one before left it; the pool
   enters each update's conditional as an operand only, and the new version
-  is tagged after it and stored as the next tick begins (`pool.claim`,
-  `pool.stored`)."""
+  is stored after it (`pool.claim`)."""
   done, view = [], carries[-1].ring  # as the last slot's task left it
+  after_tasks = sum(c.num_losses for c in carries) >= 0  # True (`claim`)
   for w, c, i in zip(windows, carries, instrs):
     view = pool_lib.rebase(c.ring, view)
 
@@ -845,7 +845,7 @@ def pooled_updates(ctx: Stages, windows, carries, instrs, own, inputs
                      lambda c, view=view: c._replace(
                          ring=pool_lib.no_write(view)),
                      c._replace(ring=None))
-    view = pool_lib.claim(view, c.ring)
+    view = pool_lib.claim(view, c.ring, after_tasks)
     done.append(c._replace(ring=view))
   return tuple(done)
 
