@@ -155,3 +155,12 @@ def test_the_compiled_step_writes_the_pool_in_place():
                                  .params)[0].shape[2:]
   assert f"f32[{rows},{length}]" in text
   assert f"f32[{rows},{length}]{{1,0}} copy(" not in text
+
+
+def test_resharding_a_pooled_stash_is_refused_in_one_line():
+  source, target = _pipe(), _pipe(stash="pooled")
+  schedule = source.schedule
+  staged = sp.models.split(sp.models.mlp(8, 16, schedule.num_stages, 4),
+                           schedule.num_stages)
+  with pytest.raises(ValueError, match='valid: stash="slots" on both'):
+    target.reshard(source.init(staged.stage_params), source)

@@ -81,6 +81,9 @@ def _check(target, state: PipelineState, source) -> None:
     raise ValueError("reshard needs a source pipeline that differs only in "
                      "its 'fsdp' size; valid: the same stages, schedule, "
                      "replicas and placement")
+  if target.pooled or source.pooled:
+    raise ValueError('reshard of a pooled stash (stash="pooled") is not '
+                     'supported; valid: stash="slots" on both pipelines')
   if jax.tree.leaves(state.sync):
     raise ValueError(f"resharding the state of sync policy "
                      f"{target.sync.name!r} is not supported; valid: a policy "
