@@ -183,7 +183,7 @@ def view(ctx: tick_lib.Stages, carry: LaneCarry, a, lane: int,
 
 
 def _put(stacked, a, value):
-  return jax.tree.map(lambda v, n: v.at[a].set(n), stacked, value)
+  return jax.tree.map(lambda v, n: tick_lib.put_row(v, a, n), stacked, value)
 
 
 def after_task(ctx: tick_lib.Stages, carry: LaneCarry, a, lane: int,
@@ -245,7 +245,8 @@ def _file(ctx: tick_lib.Stages, buffers, rows, sender, previous,
   for w in range(ctx.program.backward_width if field == "backward" else 1):
     row = jnp.where(ok, slot_of[dest] * (C + 1) + (expected + window.base + w)
                     % C, C)
-    target = {k: v.at[row].set(rows[k][w]) for k, v in target.items()}
+    target = {k: tick_lib.put_row(v, row, rows[k][w])
+              for k, v in target.items()}
   return buffers._replace(**{name: target})
 
 

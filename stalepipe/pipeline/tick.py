@@ -547,13 +547,20 @@ def run_tasks(ctx: Stages, carry: TickCarry, instr, window: Window):
                       not_adding, carry)
 
 
+def put_row(stacked: jax.Array, row, value) -> jax.Array:
+  """`stacked` with `value` in row `row` (traced, in range), in place: a
+  dynamic-update-slice, where `.at[row].set` is a scatter whose bounds
+  check XLA:CPU fuses as a select over the whole array (and copies it)."""
+  return jax.lax.dynamic_update_index_in_dim(stacked, value, row, 0)
+
+
 def stacked_sum(carry: TickCarry, slot, gradient) -> dict:
   """`accumulated` plus `gradient` on row `slot` of the slots' stacked
   accumulators (the lanes' tick, `lanes.py`), written in place: a tick that
   adds no gradient reads and writes none of them."""
   spent = carry.grads_spent[slot]
   return {"grads": jax.tree.map(
-      lambda g, n: g.at[slot].set(jnp.where(spent, n, g[slot] + n)),
+      lambda g, n: put_row(g, slot, jnp.where(spent, n, g[slot] + n)),
       carry.grads, gradient),
           "grads_spent": carry.grads_spent.at[slot].set(False)}
 
