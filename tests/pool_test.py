@@ -87,6 +87,9 @@ def _dc():  # compensates with the stashed version (`stale_params`)
     pytest.param("pipedream-interleaved", 1, 4, 4, None,
                  lambda: sp.optim.SpecTrain(optax.sgd(0.3, 0.9),
                                             staleness="minibatch"),
+                 marks=pytest.mark.slow),
+    # synchronous, a split backward, replicas: a pool of one version a slot
+    pytest.param("zb-v", 2, 2, 2, None, lambda: optax.adam(1e-2),
                  marks=pytest.mark.slow)])
 def test_a_pooled_stash_trains_what_a_ring_a_slot_trains(
     name, D, P, devices, placement, optimizer):
