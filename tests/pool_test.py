@@ -53,7 +53,8 @@ def test_the_pool_holds_the_schedules_figure(name, P, devices, placement,
              for stages in where.stages) == rings
 
 
-def _run(name, D, P, devices, stash, optimizer, placement=None, windows=3):
+def _run(name, D, P, devices, stash, optimizer, placement=None, windows=3,
+         tick="auto"):
   schedule = (sp.schedules.make(name, num_stages=P, num_microbatches=1,
                                 num_minibatches=2)
               if name == "pipedream" else _make(name, P, 4))
@@ -62,7 +63,8 @@ def _run(name, D, P, devices, stash, optimizer, placement=None, windows=3):
   mesh = jax.make_mesh((D, devices), ("data", "stage"),
                        devices=jax.devices()[:D * devices])
   pipe = executor.Pipeline(staged.stage_fns, cross_entropy, schedule,
-                           optimizer, mesh, placement=placement, stash=stash)
+                           optimizer, mesh, placement=placement, stash=stash,
+                           tick=tick)
   state, losses = pipe.init(staged.stage_params), []
   data = _windows(windows, 2, schedule.num_microbatches, 4 * D)
   for x, y in data:
@@ -78,25 +80,31 @@ def _dc():  # compensates with the stashed version (`stale_params`)
   return optax.chain(sp.optim.dc_asgd_ema(1.0), optax.sgd(0.3, 0.9))
 
 
-@pytest.mark.parametrize("name,D,P,devices,placement,optimizer", [
-    ("pipedream-v", 1, 4, 4, None, _dc),
+@pytest.mark.parametrize("name,D,P,devices,placement,optimizer,tick", [
+    ("pipedream-v", 1, 4, 4, None, _dc, "slots"),
+    # the lanes' tick (`lanes.py`) on the pool: one lane a device
+    ("pipedream-v", 1, 4, 4, None, _dc, "lanes"),
+    # folded onto one device: 4 lanes over 8 slots
+    pytest.param("pipedream-v", 1, 4, 1, None, _dc, "lanes",
+                 marks=pytest.mark.slow),
     # folded, replicas: a drain whose updates the program's plan would
     # misplace (`pool.replan`)
     pytest.param("pipedream", 2, 8, 4, "v", lambda: optax.adam(1e-2),
-                 marks=pytest.mark.slow),
+                 "slots", marks=pytest.mark.slow),
     pytest.param("pipedream-interleaved", 1, 4, 4, None,
                  lambda: sp.optim.SpecTrain(optax.sgd(0.3, 0.9),
                                             staleness="minibatch"),
-                 marks=pytest.mark.slow),
+                 "slots", marks=pytest.mark.slow),
     # synchronous, a split backward, replicas: a pool of one version a slot
-    pytest.param("zb-v", 2, 2, 2, None, lambda: optax.adam(1e-2),
+    pytest.param("zb-v", 2, 2, 2, None, lambda: optax.adam(1e-2), "slots",
                  marks=pytest.mark.slow)])
 def test_a_pooled_stash_trains_what_a_ring_a_slot_trains(
-    name, D, P, devices, placement, optimizer):
+    name, D, P, devices, placement, optimizer, tick):
   pooled, losses, state, evaluated = _run(name, D, P, devices, "pooled",
-                                          optimizer(), placement)
+                                          optimizer(), placement, tick=tick)
+  assert (pooled.lanes is not None) == (tick == "lanes")
   slots, want_losses, want_state, want_evaluated = _run(
-      name, D, P, devices, "slots", optimizer(), placement)
+      name, D, P, devices, "slots", optimizer(), placement, tick="slots")
   np.testing.assert_array_equal(losses, want_losses)
   np.testing.assert_array_equal(pooled.updates_applied(state),
                                 slots.updates_applied(want_state))
@@ -130,7 +138,6 @@ def _pipe(name="pipedream-v", P=2, devices=2, axes=(1, 2), **kwargs):
     (dict(stash="ring"), "stash='ring' is invalid; valid: slots, pooled"),
     (dict(name="1f1b", axes=(1, 4), stash="pooled"),
      "a device holds one stage"),
-    (dict(stash="pooled", tick="lanes"), 'tick="lanes"'),
     (dict(name="interleaved-1f1b", stash="pooled", optimizer_scope="model"),
      'optimizer_scope="model"'),
     (dict(stash="pooled", axes=(1, 2, 2)), "sharded over 'fsdp'")])
@@ -140,15 +147,11 @@ def test_what_a_pool_does_not_run_is_refused_in_one_line(kwargs, message):
   assert "\n" not in str(e.value)
 
 
-def test_a_pool_keeps_the_slots_tick_under_auto():
-  pipe = _pipe(stash="pooled")
-  assert pipe.pooled and pipe.lanes is None
-
-
-def test_the_compiled_step_writes_the_pool_in_place():
+@pytest.mark.parametrize("tick", ["slots", "lanes"])
+def test_the_compiled_step_writes_the_pool_in_place(tick):
   """No copy of the pool in the compiled window (XLA copies an array that a
   conditional writes while another reads it unordered: `pool.claim`)."""
-  pipe = _pipe(stash="pooled")
+  pipe = _pipe(stash="pooled", tick=tick)
   schedule = pipe.schedule
   staged = sp.models.split(sp.models.mlp(8, 16, schedule.num_stages, 4),
                            schedule.num_stages)

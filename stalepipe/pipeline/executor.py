@@ -86,7 +86,7 @@ def _ticks(ctx: tick_lib.Stages, window: tick_lib.Window, carries: tuple,
   """The window's loop over its ticks (`table`, with its closing tick): the
   slots' tick, or the lanes' (`lanes.py`) on the slots stacked for it."""
   xs = (table, tick_lib.last_tick(table))
-  if isinstance(carries[0].ring, pool_lib.StashPool):
+  if ctx.lanes is None and isinstance(carries[0].ring, pool_lib.StashPool):
     return _pooled_ticks(ctx, window, carries, xs)
   if ctx.lanes is None:
     return jax.lax.scan(functools.partial(tick_lib.tick, ctx, window),
@@ -290,8 +290,7 @@ class Pipeline:
       the deepest stage in that slot on any device) or "pooled" (one pool a
       device of `program.pool_size` rows, the most versions its stages keep
       at once: the schedule's per-device figure; `pool.py`). The same
-      numbers; "pooled" runs the slots' tick, unsharded, with the stage
-      scope.
+      numbers; "pooled" runs unsharded, with the stage scope.
 
   Examples:
     >>> import jax, optax, stalepipe as sp
@@ -359,15 +358,13 @@ class Pipeline:
     self._tables = self._static_plan = None
 
   def _hold_stash(self, tick: str, stash: str, sharded: bool) -> None:
-    """Picks the tick (`lanes.py`; "auto" keeps the slots' with a pool) and
-    the stash (`pool.py`), recompiling the program for a pool."""
+    """Picks the tick (`lanes.py`) and the stash (`pool.py`), recompiling
+    the program for a pool."""
     whole, F = self.optimizer_scope == "model", self.placement.num_slots
     lanes = lanes_lib.plan(self.program, self.placement.stages)
-    self._lanes = lanes if lanes_lib.check(
-        "slots" if (stash, tick) == ("pooled", "auto") else tick, F,
-        sharded, whole, lanes) else None
-    self.pooled = pool_lib.check(stash, F, sharded, whole,
-                                 self._lanes is not None)
+    self._lanes = lanes if lanes_lib.check(tick, F, sharded, whole,
+                                           lanes) else None
+    self.pooled = pool_lib.check(stash, F, sharded, whole)
     if self.pooled:
       self.program = program_lib.compile_program(
           self.schedule, ring_groups=self.placement.stages.T,

@@ -25,8 +25,10 @@ The plan is read from the program's tables; a step given other tables
 must leave tasks out of them, never add any (the drain's do,
 `program.drain_table`): a slot the plan does not run would not run.
 The numerics are the slots' tick's: the same tasks, versions and updates in
-the same order on each slot (tested bit for bit against it,
-`tests/lanes_test.py`). Not for a stage sharded over 'fsdp' or an optimizer
+the same order on each slot, every lane's task before any lane's update
+(tested bit for bit against it, `tests/lanes_test.py`). On a pooled stash
+(`pool.py`) the pool is the slots' stacked ring, each lane's view finding
+its slot's rows by tag. Not for a stage sharded over 'fsdp' or an optimizer
 stepping on the whole model (`scope.py`): `check` says so in one line.
 """
 
@@ -37,6 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from stalepipe.pipeline import pool as pool_lib
 from stalepipe.pipeline import program as program_lib
 from stalepipe.pipeline import tick as tick_lib
 from stalepipe.pipeline.state import TickCarry, WeightRing
@@ -112,9 +115,10 @@ def stack(ctx: tick_lib.Stages, carries: tuple) -> LaneCarry:
   rings = [c.ring for c in carries]
   first = carries[0]
   slots = first._replace(
-      ring=WeightRing(jax.tree.map(joined, *[r.params for r in rings]),
-                      joined(*[r.versions for r in rings]),
-                      stacked(*[r.latest for r in rings])),
+      ring=rings[0] if isinstance(rings[0], pool_lib.StashPool) else
+      WeightRing(jax.tree.map(joined, *[r.params for r in rings]),
+                 joined(*[r.versions for r in rings]),
+                 stacked(*[r.latest for r in rings])),
       opt_state=jax.tree.map(stacked, *[c.opt_state for c in carries]),
       grads=jax.tree.map(stacked, *[c.grads for c in carries]),
       grads_spent=stacked(*[c.grads_spent for c in carries]),
@@ -138,9 +142,13 @@ def unstack(ctx: tick_lib.Stages, carry: LaneCarry) -> tuple:
   for j in range(ctx.placement.num_slots):
     rows = np.flatnonzero(owner == j)
     at = lambda v, j=j: v[j]  # pylint: disable=unnecessary-lambda-assignment
-    ring = WeightRing(jax.tree.map(lambda v, r=rows: v[r[0]:r[-1] + 1],
-                                   s.ring.params),
-                      s.ring.versions[rows[0]:rows[-1] + 1], s.ring.latest[j])
+    if isinstance(s.ring, pool_lib.StashPool):  # the pool, on slot 0
+      ring = s.ring if j == 0 else None
+    else:
+      ring = WeightRing(jax.tree.map(lambda v, r=rows: v[r[0]:r[-1] + 1],
+                                     s.ring.params),
+                        s.ring.versions[rows[0]:rows[-1] + 1],
+                        s.ring.latest[j])
     losses = {} if j == 0 else dict(
         loss_sum=zero(s.loss_sum), num_losses=zero(s.num_losses),
         metric_sums=jax.tree.map(zero, s.metric_sums))
@@ -169,12 +177,16 @@ def view(ctx: tick_lib.Stages, carry: LaneCarry, a, lane: int,
   stacked, `[v, L]`: the task adds to row a in place (`tick.stacked_sum`)."""
   s = carry.slots
   at = lambda v: v[a]  # pylint: disable=unnecessary-lambda-assignment
-  mine = jnp.asarray(_owner(ctx)) == a
   grads = (s.grads, s.grads_spent) if task else (
       jax.tree.map(at, s.grads), s.grads_spent[a])
+  if isinstance(s.ring, pool_lib.StashPool):
+    ring = pool_lib.PoolView(s.ring.params, s.ring.versions, s.ring.owner,
+                             s.ring.latest[a], a)
+  else:
+    ring = WeightRing(s.ring.params, jnp.where(
+        jnp.asarray(_owner(ctx)) == a, s.ring.versions, -2), s.ring.latest[a])
   return s._replace(
-      ring=WeightRing(s.ring.params, jnp.where(mine, s.ring.versions, -2),
-                      s.ring.latest[a]),
+      ring=ring,
       opt_state=jax.tree.map(at, s.opt_state),
       grads=grads[0], grads_spent=grads[1],
       buffers=s.buffers, sync=jax.tree.map(at, s.sync),
@@ -206,10 +218,13 @@ def after_update(ctx: tick_lib.Stages, carry: LaneCarry, a,
   """`carry` with what slot `a`'s update changed (`done`, a `view`): its
   ring rows, latest version, optimizer and sync states."""
   s = carry.slots
-  mine = jnp.asarray(_owner(ctx)) == a
-  ring = WeightRing(done.ring.params,
-                    jnp.where(mine, done.ring.versions, s.ring.versions),
-                    s.ring.latest.at[a].set(done.ring.latest))
+  if isinstance(s.ring, pool_lib.StashPool):  # the pool: `pooled_update`
+    ring = s.ring
+  else:
+    mine = jnp.asarray(_owner(ctx)) == a
+    ring = WeightRing(done.ring.params,
+                      jnp.where(mine, done.ring.versions, s.ring.versions),
+                      s.ring.latest.at[a].set(done.ring.latest))
   return carry._replace(slots=s._replace(
       ring=ring, opt_state=_put(s.opt_state, a, done.opt_state),
       grads_spent=s.grads_spent.at[a].set(done.grads_spent),
@@ -269,29 +284,59 @@ def receive(ctx: tick_lib.Stages, carry: LaneCarry, previous,
   return carry._replace(slots=carry.slots._replace(buffers=buffers))
 
 
-def run_lane(ctx: tick_lib.Stages, window: tick_lib.Window, carry: LaneCarry,
-             rows, slot, lane: int) -> LaneCarry:
-  """Lane `lane` runs slot `slot`'s task (-1: nothing) and update."""
+def _lane_row(ctx: tick_lib.Stages, window: tick_lib.Window, rows, slot):
+  """Slot `slot`'s stage, its row of the tick (blank where `slot` is -1: a
+  lane with nothing to run) and its window."""
   a = jnp.maximum(slot, 0)
   stage = jnp.asarray(ctx.placement.stages)[window.device, a]
-  instr = type(rows)(*[  # a lane with no slot: a blank row
+  instr = type(rows)(*[
       jnp.where(slot >= 0, column[stage], program_lib.blank(name))
       for name, column in zip(type(rows)._fields, rows)])
-  w = window._replace(stage=stage, candidates=tuple(range(ctx.num_stages)),
-                      choice=stage, lane=a)
+  return a, instr, window._replace(
+      stage=stage, candidates=tuple(range(ctx.num_stages)), choice=stage,
+      lane=a)
+
+
+def run_task(ctx: tick_lib.Stages, window: tick_lib.Window, carry: LaneCarry,
+             rows, slot, lane: int) -> LaneCarry:
+  """Lane `lane` runs slot `slot`'s task (-1: nothing)."""
+  a, instr, w = _lane_row(ctx, window, rows, slot)
   done = tick_lib.run_slot(ctx, view(ctx, carry, a, lane, task=True), instr,
                            w)
-  sender = jnp.where(instr.kind != program_lib.IDLE, stage + 1, 0)
-  carry = after_task(ctx, carry, a, lane, done, sender)
+  sender = jnp.where(instr.kind != program_lib.IDLE, w.stage + 1, 0)
+  return after_task(ctx, carry, a, lane, done, sender)
+
+
+def run_update(ctx: tick_lib.Stages, window: tick_lib.Window,
+               carry: LaneCarry, rows, slot, lane: int, after) -> LaneCarry:
+  """Lane `lane` applies slot `slot`'s update, if its row names one. On a
+  pooled stash (`pool.py`) the pool is only read under the conditional and
+  the new version stored after it (`pool.claim`; `after`: True, from every
+  lane's task)."""
+  a, instr, w = _lane_row(ctx, window, rows, slot)
 
   def update(c):
     slot_view = view(ctx, c, a, lane)
     done = tick_lib.apply_update(
         ctx, w, slot_view, instr, tick_lib.reduced_gradient(ctx, slot_view),
         functools.partial(tick_lib.optimizer_step, ctx))
-    return after_update(ctx, c, a, done)
+    return after_update(ctx, c, a, done), done.ring
 
-  return jax.lax.cond(instr.update == 1, update, lambda c: c, carry)
+  pool = carry.slots.ring
+  if not isinstance(pool, pool_lib.StashPool):
+    return jax.lax.cond(instr.update == 1, lambda c: update(c)[0],
+                        lambda c: c, carry)
+  mine = view(ctx, carry, a, lane).ring
+  bare = lambda c: c._replace(slots=c.slots._replace(ring=None))  # pylint: disable=unnecessary-lambda-assignment
+  carry, new = jax.lax.cond(
+      instr.update == 1,
+      lambda c: (lambda out: (bare(out[0]), out[1]))(update(
+          c._replace(slots=c.slots._replace(ring=pool)))),
+      lambda c: (c, pool_lib.no_write(mine)), bare(carry))
+  claimed = pool_lib.claim(mine, new, after)
+  return carry._replace(slots=carry.slots._replace(ring=pool._replace(
+      params=claimed.params, versions=claimed.versions, owner=claimed.owner,
+      latest=pool.latest.at[a].set(claimed.latest))))
 
 
 def tick(ctx: tick_lib.Stages, window: tick_lib.Window, carry: LaneCarry, xs
@@ -301,7 +346,12 @@ def tick(ctx: tick_lib.Stages, window: tick_lib.Window, carry: LaneCarry, xs
   slots `[P, L]`)."""
   rows, previous, slots = xs
   carry = receive(ctx, carry, previous, window)
-  for lane in range(slots.shape[-1]):
-    carry = run_lane(ctx, window, carry, rows, slots[window.device, lane],
+  lanes = range(slots.shape[-1])
+  for lane in lanes:
+    carry = run_task(ctx, window, carry, rows, slots[window.device, lane],
                      lane)
+  after = carry.slots.num_losses >= 0  # True (`run_update`)
+  for lane in lanes:  # every task's reads first, as in the slots' tick
+    carry = run_update(ctx, window, carry, rows, slots[window.device, lane],
+                       lane, after)
   return carry, None

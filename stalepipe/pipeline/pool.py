@@ -58,8 +58,8 @@ class PoolView(NamedTuple):
   slot: jax.Array  # int32 []
 
 
-def check(stash: str, num_slots: int, sharded: bool, whole_model: bool,
-          lanes: bool) -> bool:
+def check(stash: str, num_slots: int, sharded: bool,
+          whole_model: bool) -> bool:
   """Whether `stash` asks for a pool; refuses what a pool does not run."""
   if stash not in MODES:
     raise ValueError(f"stash={stash!r} is invalid; valid: {', '.join(MODES)}")
@@ -67,8 +67,7 @@ def check(stash: str, num_slots: int, sharded: bool, whole_model: bool,
     return False
   for refused, why in ((num_slots == 1, "a device holds one stage"),
                        (sharded, "a stage is sharded over 'fsdp'"),
-                       (whole_model, 'optimizer_scope="model"'),
-                       (lanes, 'tick="lanes"')):
+                       (whole_model, 'optimizer_scope="model"')):
     if refused:
       raise ValueError(f'stash="pooled" is not run where {why}; valid: '
                        'stash="slots" there')
