@@ -83,7 +83,8 @@ def _dc():  # compensates with the stashed version (`stale_params`)
 @pytest.mark.parametrize("name,D,P,devices,placement,optimizer,tick", [
     ("pipedream-v", 1, 4, 4, None, _dc, "slots"),
     # the lanes' tick (`lanes.py`) on the pool: one lane a device
-    ("pipedream-v", 1, 4, 4, None, _dc, "lanes"),
+    pytest.param("pipedream-v", 1, 4, 4, None, _dc, "lanes",
+                 marks=pytest.mark.slow),
     # folded onto one device: 4 lanes over 8 slots
     pytest.param("pipedream-v", 1, 4, 1, None, _dc, "lanes",
                  marks=pytest.mark.slow),
