@@ -65,14 +65,7 @@ def build(name, stages, mesh, x, y, layers):
   pipe = executor.Pipeline(staged.stage_fns, cross_entropy, schedule,
                            optax.sgd(0.01), mesh, remat="residuals",
                            tick=tick or "auto")
-  step_fn, state, args = common.step_function(
-      pipe, pipe.init(staged.stage_params), x, y)
-  box = [state]
-
-  def run():
-    box[0], metrics = step_fn(box[0], *args)
-    jax.block_until_ready(metrics)
-
+  run, _, _ = common.window_runner(pipe, staged.stage_params, x, y)
   one = schedule.with_minibatches(1)
   bubble = (one.device_bubble_fraction if one.placement
             else one.bubble_fraction)

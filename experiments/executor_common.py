@@ -78,6 +78,21 @@ def step_function(pipe, state, inputs, targets):
   return step_fn, state, tuple(args)
 
 
+def window_runner(pipe, stage_params, inputs, targets):
+  """`pipe`'s compiled window from a fresh state (`step_function`), as a
+  callable that runs one more window and waits for it; returns it, the box
+  holding the state it advances, and the compiled step."""
+  step_fn, state, args = step_function(pipe, pipe.init(stage_params), inputs,
+                                       targets)
+  box = [state]
+
+  def run():
+    box[0], metrics = step_fn(box[0], *args)
+    jax.block_until_ready(metrics)
+
+  return run, box, step_fn
+
+
 def baseline_run(staged, mesh, inputs_MxNx, targets_MxN):
   """A callable running one step of the MaxText-style GPipe baseline."""
   import baseline_gpipe  # pylint: disable=g-import-not-at-top,import-outside-toplevel

@@ -90,15 +90,8 @@ def variants(S: int, x, y) -> dict:
                              optax.sgd(LR), mesh, remat=REMAT.value,
                              layout=LAYOUT.value,
                              tick="slots" if S == 1 else tick or "auto")
-    step_fn, state, args = executor_common.step_function(
-        pipe, pipe.init(staged.stage_params), x, y)
-    box = [state]
-
-    def folded(step_fn=step_fn, box=box, args=args):
-      box[0], metrics = step_fn(box[0], *args)
-      jax.block_until_ready(metrics)
-
-    runs[f"{name}_S{S}"] = folded
+    runs[f"{name}_S{S}"], _, _ = executor_common.window_runner(
+        pipe, staged.stage_params, x, y)
   plain = plain_step(staged, M)
   params = [jax.device_put(tuple(staged.stage_params), jax.devices()[0])]
   xs, ys = jax.device_put((x, y), jax.devices()[0])

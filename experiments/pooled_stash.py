@@ -43,14 +43,7 @@ def build(name, placement, stash, x, y):
   pipe = executor.Pipeline(staged.stage_fns, cross_entropy, schedule,
                            optax.sgd(0.01), mesh, placement=placement,
                            stash=stash)
-  step_fn, state, args = common.step_function(
-      pipe, pipe.init(staged.stage_params), x, y)
-  box = [state]
-
-  def run():
-    box[0], metrics = step_fn(box[0], *args)
-    jax.block_until_ready(metrics)
-
+  run, box, step_fn = common.window_runner(pipe, staged.stage_params, x, y)
   rows = (pipe.program.pool_size if pipe.pooled else
           max(sum(pipe.program.ring_sizes[s] for s in stages)
               for stages in pipe.placement.stages))
