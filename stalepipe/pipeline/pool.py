@@ -19,10 +19,14 @@ and an update overwrites the row the program planned for it
 (`program._plan_pool`): a dead version of its own slot, or of another slot
 on the device (the tables name it by that slot and by its lag behind the
 updating stage's latest, `Instructions.evict_slot`, `evict`), or an empty
-row. The slots' updates in a tick run one after another on the one pool
-(`tick.apply_updates`).
+row. In a tick every slot's task reads the pool first; then the slots'
+updates run one after another on it (`tick.pooled_updates`, the lanes'
+`run_update`), each reading it under its conditional and storing its new
+version after it (`claim`). A drain plans its rows again from the pool as
+it stands (`replan`).
 
-`Pipeline(stash="pooled")`, config `stash`.
+`Pipeline(stash="pooled")`, config `stash`; docs/executor.md, "A pooled
+stash".
 """
 
 from typing import NamedTuple
