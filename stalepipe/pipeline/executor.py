@@ -349,26 +349,19 @@ class Pipeline:
     self.mesh = mesh
     self.sync = sync
     self.lowering = dispatch.get(lowering)
+    whole = self.optimizer_scope == "model"
+    self.pooled = pool_lib.check(stash, self.placement.num_slots, sharded,
+                                 whole)
     self.program = program_lib.compile_program(
-        schedule, ring_groups=self.placement.stages.T)
+        schedule, ring_groups=self.placement.stages.T,
+        pools=self.placement.stages if self.pooled else None)
     self._stale_schedule = contract.schedule_is_stale(schedule)
-    self._hold_stash(tick, stash, sharded)
+    lanes = lanes_lib.plan(self.program, self.placement.stages)
+    self._lanes = lanes if lanes_lib.check(
+        tick, self.placement.num_slots, sharded, whole, lanes) else None
     self._param_packing = self._opt_packing = self._state_packing = None
     self._steps, self._contexts = {}, {}
     self._tables = self._static_plan = None
-
-  def _hold_stash(self, tick: str, stash: str, sharded: bool) -> None:
-    """Picks the tick (`lanes.py`) and the stash (`pool.py`), recompiling
-    the program for a pool."""
-    whole, F = self.optimizer_scope == "model", self.placement.num_slots
-    lanes = lanes_lib.plan(self.program, self.placement.stages)
-    self._lanes = lanes if lanes_lib.check(tick, F, sharded, whole,
-                                           lanes) else None
-    self.pooled = pool_lib.check(stash, F, sharded, whole)
-    if self.pooled:
-      self.program = program_lib.compile_program(
-          self.schedule, ring_groups=self.placement.stages.T,
-          pools=self.placement.stages)
 
   @property
   def lanes(self) -> int | None:

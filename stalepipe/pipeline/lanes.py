@@ -218,7 +218,7 @@ def after_update(ctx: tick_lib.Stages, carry: LaneCarry, a,
   """`carry` with what slot `a`'s update changed (`done`, a `view`): its
   ring rows, latest version, optimizer and sync states."""
   s = carry.slots
-  if isinstance(s.ring, pool_lib.StashPool):  # the pool: `pooled_update`
+  if isinstance(s.ring, pool_lib.StashPool):  # stored by `run_update`
     ring = s.ring
   else:
     mine = jnp.asarray(_owner(ctx)) == a
@@ -327,12 +327,15 @@ def run_update(ctx: tick_lib.Stages, window: tick_lib.Window,
     return jax.lax.cond(instr.update == 1, lambda c: update(c)[0],
                         lambda c: c, carry)
   mine = view(ctx, carry, a, lane).ring
-  bare = lambda c: c._replace(slots=c.slots._replace(ring=None))  # pylint: disable=unnecessary-lambda-assignment
-  carry, new = jax.lax.cond(
-      instr.update == 1,
-      lambda c: (lambda out: (bare(out[0]), out[1]))(update(
-          c._replace(slots=c.slots._replace(ring=pool)))),
-      lambda c: (c, pool_lib.no_write(mine)), bare(carry))
+  with_ring = lambda c, ring: c._replace(slots=c.slots._replace(ring=ring))  # pylint: disable=unnecessary-lambda-assignment
+
+  def pooled(c):  # the pool read under the conditional, not passed out
+    c, new = update(with_ring(c, pool))
+    return with_ring(c, None), new
+
+  carry, new = jax.lax.cond(instr.update == 1, pooled,
+                            lambda c: (c, pool_lib.no_write(mine)),
+                            with_ring(carry, None))
   claimed = pool_lib.claim(mine, new, after)
   return carry._replace(slots=carry.slots._replace(ring=pool._replace(
       params=claimed.params, versions=claimed.versions, owner=claimed.owner,
