@@ -16,6 +16,11 @@ cell of fewer seeds is never divided by other seeds' runs). A (method, S)
 with a seed that did not reach the target has no mean: its slowdown is at
 least (the steps it ran) / (S = 1's steps), written `>x`.
 
+A rule of `SAME_AS_CONTROL_AT_ONE_STAGE` (PipeDream's stash and the
+corrections that vanish without staleness) without S = 1 runs of its own
+takes the control's (`1f1b`) at the same step size as its S = 1 cell: at one
+stage it computes the same thing, bit for bit.
+
 The default target is the worst of the S = 1 methods' validation losses at
 `--target_fraction` of their training (each method's mean over seeds at the
 last evaluation at or before that step), so every method reaches it at S = 1
@@ -54,6 +59,18 @@ _LOSS_AT = flags.DEFINE_list(
     "validation loss, mean over seeds (the last evaluation at or before).")
 
 _NAME = re.compile(r"^(.+)-S(\d+)-(\d+)$")
+
+# The control, and the rules whose run at S = 1 is the control's run at the
+# same step size: with one stage nothing is stale, so their stash, prediction
+# or correction leaves AdamW's update as it is. Their config-built runs at
+# S = 1 train bit for bit like the control's
+# (tests/staleness_depth_configs_test.py), so they need no S = 1 runs of
+# their own. Not here: `dc` (equal to float rounding only), `gap_aware`
+# (weight decay 0), `sapipe_wp`, `zb_async` (stale at S = 1 too) and the rules
+# with another optimizer.
+CONTROL = "1f1b"
+SAME_AS_CONTROL_AT_ONE_STAGE = ("pipedream", "pipemare", "spectrain",
+                                "dc_asgd_ema", "weight_pred")
 _NAN_STOP = re.compile(r"launch.py: error: loss is -?(nan|inf)")
 
 
@@ -125,6 +142,27 @@ def load(workdirs: list[str]) -> dict[tuple[str, int], dict[int, dict]]:
     runs.setdefault((match[1], int(match[2])), {})[int(match[3])] = {
         "status": status, "steps": steps, "losses": losses}
   return runs
+
+
+def control_at_one_stage(runs) -> list[str]:
+  """Gives each method of `SAME_AS_CONTROL_AT_ONE_STAGE` without S = 1 runs
+  of its own the control's S = 1 runs at its step size (in place); returns
+  the methods given them.
+
+  Examples:
+    >>> runs = {("1f1b@3e-3", 1): {0: "run"}, ("pipedream@3e-3", 8): {}}
+    >>> control_at_one_stage(runs), runs[("pipedream@3e-3", 1)]
+    (['pipedream@3e-3'], {0: 'run'})
+  """
+  given = []
+  for method, _ in list(runs):
+    rule, sep, rate = method.partition("@")
+    control = runs.get((CONTROL + sep + rate, 1))
+    if (rule in SAME_AS_CONTROL_AT_ONE_STAGE and control
+        and (method, 1) not in runs):
+      runs[method, 1] = control
+      given.append(method)
+  return sorted(given)
 
 
 def default_target(runs, fraction: float) -> float:
@@ -389,6 +427,8 @@ def main(argv):
   if not runs:
     raise SystemExit(f"staleness_depth.py: error: --runs={_RUNS.value} "
                      "matches no <method>-S<stages>-<seed> workdir")
+  own = dict(runs)  # the loss table lists each run once
+  from_control = control_at_one_stage(runs)
   target = (_TARGET_LOSS.value if _TARGET_LOSS.value is not None
             else default_target(runs, _TARGET_FRACTION.value))
   rows = table(runs, target)
@@ -396,8 +436,12 @@ def main(argv):
   levels = reference_levels(harness.workdirs(_RUNS.value))
   harness.record("staleness_depth", {"target_loss": target, "rows": rows,
                                      "best_rates": rates,
-                                     "reference_levels": levels})
+                                     "reference_levels": levels,
+                                     "s1_from_control": from_control})
   text = markdown(rows, target)
+  if from_control:
+    text += (f"\n\nS=1 of {', '.join(from_control)}: the {CONTROL} runs at the "
+             "same rate (at one stage they compute what it computes)")
   if levels:
     text = ("Reference levels on the evaluation windows (n-gram models of the "
             "training split, nats/byte): " + ", ".join(
@@ -405,7 +449,7 @@ def main(argv):
   if any(len(r["rates"]) > 1 for r in rates.values()):
     text += "\n\n" + rates_markdown(runs, rows, rates, target)
   if _LOSS_AT.value:
-    text += "\n\n" + losses_at(runs, [int(s) for s in _LOSS_AT.value])
+    text += "\n\n" + losses_at(own, [int(s) for s in _LOSS_AT.value])
   print(text)
   if harness.OUT_DIR.value:
     with open(os.path.join(harness.OUT_DIR.value, "staleness_depth.md"),

@@ -130,3 +130,37 @@ def test_rates_best_at_s1_and_per_depth_and_the_drained_point_is_left_out(
   text = (tmp_path / "out" / "staleness_depth.md").read_text()
   assert "| r (3e-3) | 1e-3, 3e-3 | 10 (1.00x) | >20 (>2.00x) |" in text
   assert "| r | 1e-3, 3e-3 | 10 (1.00x) @3e-3 | 20 (2.00x) @1e-3 |" in text
+
+
+def test_s1_cell_of_a_rule_equal_to_the_control_is_the_controls_run(
+    tmp_path):
+  curves = {  # validation loss at steps 10, 20, 30
+      "1f1b@3e-3-S1-0": [3.0, 2.0, 1.0], "1f1b@3e-3-S1-1": [3.0, 2.5, 1.5],
+      "pipedream@3e-3-S8-0": [3.0, 3.0, 2.0],
+      "pipedream@3e-3-S8-1": [3.0, 2.5, 2.0],
+      "nesterov@3e-3-S8-0": [3.0, 2.0, 1.0],  # not the control at S = 1
+      "spectrain@1e-3-S8-0": [3.0, 2.0, 1.0],  # no control at its rate
+      "gap_aware@3e-3-S1-0": [3.0, 3.0, 2.0],  # its own S = 1 run stays
+      "gap_aware@3e-3-S8-0": [3.0, 3.0, 2.0]}
+  for name, losses in curves.items():
+    run = tmp_path / "exp" / name
+    run.mkdir(parents=True)
+    (run / "summary.json").write_text("{}")
+    (run / "metrics.jsonl").write_text("".join(
+        json.dumps({"step": 10 * (i + 1), "test_loss": v}) + "\n"
+        for i, v in enumerate(losses)))
+  result = _table(tmp_path, "--target_loss=2.0", "--loss_at=20")
+  rows = result["rows"]
+  assert result["s1_from_control"] == ["pipedream@3e-3"]
+  # The control's seeds reach 2.0 at 20 and 25 (mean 22.5); pipedream's at
+  # S = 8 at 30 and 30: 30 / 22.5.
+  assert rows["pipedream@3e-3"]["1"]["steps"] == 22.5
+  assert rows["pipedream@3e-3"]["8"]["slowdown"] == pytest.approx(30 / 22.5)
+  assert "1" not in rows["nesterov@3e-3"] and "1" not in rows[
+      "spectrain@1e-3"]
+  assert rows["gap_aware@3e-3"]["1"]["steps"] == 30.0
+  text = (tmp_path / "out" / "staleness_depth.md").read_text()
+  assert "S=1 of pipedream@3e-3: the 1f1b runs at the same rate" in text
+  # The loss table lists each run once: no pipedream row at S = 1.
+  assert "| pipedream@3e-3 | 1 |" not in text
+  assert "| 1f1b@3e-3 | 1 | 2 | 2.250 |" in text
