@@ -281,6 +281,11 @@ def _rule_and_rate(method: str) -> tuple[str, str]:
   return rule, rate or "config"
 
 
+def _rate_order(rate: str) -> tuple[bool, float]:
+  """Rates in numeric order ("3e-3" before "1e-2"), the config's last."""
+  return rate == "config", 0.0 if rate == "config" else float(rate)
+
+
 def _last_loss(runs, method: str, stages: int) -> float:
   done = [r["losses"][-1] for r in runs.get((method, stages), {}).values()
           if r["status"] == "done" and r["losses"].size]
@@ -309,7 +314,8 @@ def best_rates(runs, rows) -> dict[str, dict]:
     best = {s: min(methods, key=lambda r, s=s: _rank(runs, rows, methods[r],
                                                       s))
             for s in depths}
-    out[rule] = {"rates": sorted(methods), "at_s1": best.get(1),
+    out[rule] = {"rates": sorted(methods, key=_rate_order),
+                 "at_s1": best.get(1),
                  "per_depth": best}
   return out
 
