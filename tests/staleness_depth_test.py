@@ -140,8 +140,8 @@ def test_s1_cell_of_a_rule_equal_to_the_control_is_the_controls_run(
       "pipedream@3e-3-S8-1": [3.0, 2.5, 2.0],
       "nesterov@3e-3-S8-0": [3.0, 2.0, 1.0],  # not the control at S = 1
       "spectrain@1e-3-S8-0": [3.0, 2.0, 1.0],  # no control at its rate
-      "gap_aware@3e-3-S1-0": [3.0, 3.0, 2.0],  # its own S = 1 run stays
-      "gap_aware@3e-3-S8-0": [3.0, 3.0, 2.0]}
+      "weight_pred@3e-3-S1-0": [3.0, 3.0, 2.0],  # its own S = 1 run stays
+      "weight_pred@3e-3-S8-0": [3.0, 3.0, 2.0]}
   for name, losses in curves.items():
     run = tmp_path / "exp" / name
     run.mkdir(parents=True)
@@ -158,7 +158,7 @@ def test_s1_cell_of_a_rule_equal_to_the_control_is_the_controls_run(
   assert rows["pipedream@3e-3"]["8"]["slowdown"] == pytest.approx(30 / 22.5)
   assert "1" not in rows["nesterov@3e-3"] and "1" not in rows[
       "spectrain@1e-3"]
-  assert rows["gap_aware@3e-3"]["1"]["steps"] == 30.0
+  assert rows["weight_pred@3e-3"]["1"]["steps"] == 30.0
   text = (tmp_path / "out" / "staleness_depth.md").read_text()
   assert "S=1 of pipedream@3e-3: the 1f1b runs at the same rate" in text
   # The loss table lists each run once: no pipedream row at S = 1.
