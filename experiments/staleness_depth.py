@@ -286,23 +286,34 @@ def _rate_order(rate: str) -> tuple[bool, float]:
   return rate == "config", 0.0 if rate == "config" else float(rate)
 
 
-def _last_loss(runs, method: str, stages: int) -> float:
-  done = [r["losses"][-1] for r in runs.get((method, stages), {}).values()
-          if r["status"] == "done" and r["losses"].size]
-  return float(np.mean(done)) if done else math.inf
+def _rank(runs, rows, method: str, stages: int,
+          seeds) -> tuple[float, float]:
+  """A cell's rank among rates on `seeds`: its mean steps to the target over
+  them (inf if one missed it), then its mean last validation loss over them
+  (inf for a seed that diverged)."""
+  cell = rows[method][stages]
+  steps = [cell["per_seed"][s] for s in seeds]
+  ended = runs[method, stages]
+  last = [ended[s]["losses"][-1] if ended[s]["status"] == "done"
+          and ended[s]["losses"].size else math.inf for s in seeds]
+  return (math.inf if None in steps else float(np.mean(steps)),
+          float(np.mean(last)))
 
 
-def _rank(runs, rows, method: str, stages: int) -> tuple[float, float]:
-  """A cell's rank among rates: its mean steps to the target (inf if a seed
-  missed it), then its mean last validation loss."""
-  cell = rows.get(method, {}).get(stages)
-  steps = cell["steps"] if cell and cell["steps"] is not None else math.inf
-  return steps, _last_loss(runs, method, stages)
+def compared_seeds(rows, methods, stages: int) -> list[int]:
+  """The seeds on which the rates of one rule are compared at `stages`: those
+  every rate run there has, so a one-seed cell is never ranked against
+  another rate's mean over other seeds; each cell's own seeds where the rates
+  share none (then the JSON's "compared_seeds" is empty)."""
+  cells = [rows[m][stages] for m in methods if stages in rows[m]]
+  shared = set.intersection(*(set(c["seeds"]) for c in cells))
+  return sorted(shared)
 
 
 def best_rates(runs, rows) -> dict[str, dict]:
   """{rule: {"rates", "at_s1" (the rate ranked first at S = 1, `_rank`),
-  "per_depth" {S: the rate ranked first at S}}}, over the methods named
+  "per_depth" {S: the rate ranked first at S}, "compared_seeds" {S: the
+  seeds the ranking at S used, `compared_seeds`}}}, over the methods named
   `<rule>@<rate>` (a method without `@` is its own rule at one rate)."""
   rules = {}
   for method in rows:
@@ -311,12 +322,15 @@ def best_rates(runs, rows) -> dict[str, dict]:
   out = {}
   for rule, methods in sorted(rules.items()):
     depths = sorted({s for m in methods.values() for s in rows[m]})
-    best = {s: min(methods, key=lambda r, s=s: _rank(runs, rows, methods[r],
-                                                      s))
-            for s in depths}
+    best, compared = {}, {}
+    for s in depths:
+      here = {r: m for r, m in methods.items() if s in rows[m]}
+      seeds = compared[s] = compared_seeds(rows, here.values(), s)
+      best[s] = min(sorted(here, key=_rate_order), key=lambda r, s=s: _rank(
+          runs, rows, here[r], s, seeds or rows[here[r]][s]["seeds"]))
     out[rule] = {"rates": sorted(methods, key=_rate_order),
                  "at_s1": best.get(1),
-                 "per_depth": best}
+                 "per_depth": best, "compared_seeds": compared}
   return out
 
 
@@ -332,15 +346,17 @@ def rates_markdown(runs, rows, rates, target: float) -> str:
   per_depth = [f"Steps to validation loss {target:.4f} at each rule's best "
                "rate per depth (@rate; slowdown over the rule's best S=1 "
                "cell)", "", *head]
+  notes = []
   for rule, info in rates.items():
     grid = ", ".join(info["rates"])
     if info["at_s1"] is not None:
       method = f"{rule}@{info['at_s1']}" if info["at_s1"] != "config" else rule
       at_s1.append(f"| {rule} ({info['at_s1']}) | {grid} | " + " | ".join(
           _cell(rows[method].get(s)) for s in stages) + " |")
-    base = (_rank(runs, rows, f"{rule}@{info['at_s1']}"
-                  if info["at_s1"] != "config" else rule, 1)[0]
-            if info["at_s1"] is not None else math.inf)
+    base_cell = (rows[f"{rule}@{info['at_s1']}" if info["at_s1"] != "config"
+                      else rule][1] if info["at_s1"] is not None else None)
+    base = (base_cell["steps"] if base_cell and base_cell["steps"] is not None
+            else math.inf)
     cells = []
     for s in stages:
       rate = info["per_depth"].get(s)
@@ -353,8 +369,17 @@ def rates_markdown(runs, rows, rates, target: float) -> str:
       if cell["steps"] is not None and math.isfinite(base):
         text += f" ({cell['steps'] / base:.2f}x)"
       cells.append(f"{text} @{rate}")
+      seeds = info["compared_seeds"][s]
+      if len(info["rates"]) > 1 and seeds != cell["seeds"]:
+        notes.append(f"{rule} at S={s}: " + (
+            "rates compared on seed" + "s" * (len(seeds) > 1) + " "
+            + ", ".join(map(str, seeds)) + ", the ones every rate ran"
+            if seeds else "the rates share no seed: each ranked on its own"))
     per_depth.append(f"| {rule} | {grid} | " + " | ".join(cells) + " |")
-  return "\n".join(at_s1 + [""] + per_depth)
+  return "\n".join(at_s1 + [""] + per_depth + (
+      ["", "Rates ranked on the seeds they share (fewest mean steps, then the "
+       "lowest last loss); the cell is the chosen rate's mean over all its "
+       "seeds. " + "; ".join(notes) + "."] if notes else []))
 
 
 def reference_levels(workdirs: list[str]) -> dict[str, float]:

@@ -45,6 +45,20 @@ def _fake_runs(root: pathlib.Path) -> None:
                                    "12; run stopped\n")
 
 
+def _write_runs(root: pathlib.Path, curves: dict, num_steps=None) -> None:
+  """Finished runs with validation losses at steps 10, 20, ... (and a
+  config.json naming `num_steps`, the drained evaluation's step)."""
+  for name, losses in curves.items():
+    run = root / name
+    run.mkdir(parents=True)
+    if num_steps is not None:
+      (run / "config.json").write_text(json.dumps({"num_steps": num_steps}))
+    (run / "summary.json").write_text("{}")
+    (run / "metrics.jsonl").write_text("".join(
+        json.dumps({"step": 10 * (i + 1), "test_loss": v}) + "\n"
+        for i, v in enumerate(losses)))
+
+
 def _table(root: pathlib.Path, *flags: str) -> dict:
   out = root / "out"
   subprocess.run([sys.executable, str(ROOT / "experiments" /
@@ -109,14 +123,7 @@ def test_rates_best_at_s1_and_per_depth_and_the_drained_point_is_left_out(
   curves = {  # validation loss at steps 10, 20, 30 (30: the drained one)
       "r@1e-3-S1-0": [3.0, 2.0, 9.0], "r@3e-3-S1-0": [2.0, 1.0, 9.0],
       "r@1e-3-S8-0": [3.0, 2.0, 0.0], "r@3e-3-S8-0": [3.0, 3.0, 0.0]}
-  for name, losses in curves.items():
-    run = tmp_path / "exp" / name
-    run.mkdir(parents=True)
-    (run / "config.json").write_text(json.dumps({"num_steps": 30}))
-    (run / "summary.json").write_text("{}")
-    (run / "metrics.jsonl").write_text("".join(
-        json.dumps({"step": 10 * (i + 1), "test_loss": v}) + "\n"
-        for i, v in enumerate(losses)))
+  _write_runs(tmp_path / "exp", curves, num_steps=30)
   result = _table(tmp_path, "--target_loss=2.0")
   rows = result["rows"]
   # The drained evaluation at num_steps (step 30) is not a point: S=8 at
@@ -142,13 +149,7 @@ def test_s1_cell_of_a_rule_equal_to_the_control_is_the_controls_run(
       "spectrain@1e-3-S8-0": [3.0, 2.0, 1.0],  # no control at its rate
       "weight_pred@3e-3-S1-0": [3.0, 3.0, 2.0],  # its own S = 1 run stays
       "weight_pred@3e-3-S8-0": [3.0, 3.0, 2.0]}
-  for name, losses in curves.items():
-    run = tmp_path / "exp" / name
-    run.mkdir(parents=True)
-    (run / "summary.json").write_text("{}")
-    (run / "metrics.jsonl").write_text("".join(
-        json.dumps({"step": 10 * (i + 1), "test_loss": v}) + "\n"
-        for i, v in enumerate(losses)))
+  _write_runs(tmp_path / "exp", curves)
   result = _table(tmp_path, "--target_loss=2.0", "--loss_at=20")
   rows = result["rows"]
   assert result["s1_from_control"] == ["pipedream@3e-3"]
@@ -164,3 +165,34 @@ def test_s1_cell_of_a_rule_equal_to_the_control_is_the_controls_run(
   # The loss table lists each run once: no pipedream row at S = 1.
   assert "| pipedream@3e-3 | 1 |" not in text
   assert "| 1f1b@3e-3 | 1 | 2 | 2.250 |" in text
+
+
+def test_rates_are_ranked_on_the_seeds_they_share(tmp_path):
+  curves = {  # validation loss at steps 10, 20, 30, 40
+      # At S = 8, 1e-3 reaches 2.0 at 20, 30, 40 (seeds 0-2; mean 30) and
+      # 3e-3 at 25 on seed 0 alone: on seed 0, 1e-3 (20) is ahead, though
+      # its mean over three seeds is behind 3e-3's one seed.
+      "r@1e-3-S8-0": [3.0, 2.0, 1.5, 1.0], "r@1e-3-S8-1": [3.0, 2.5, 2.0, 1.5],
+      "r@1e-3-S8-2": [3.0, 2.5, 2.5, 2.0], "r@3e-3-S8-0": [3.0, 2.5, 1.5, 1.5],
+      # At S = 1, 1e-3 (seed 1 only) and 3e-3 (seed 0 only) share no seed:
+      # each is ranked on its own, 1e-3's 20 ahead of 3e-3's 30.
+      "r@1e-3-S1-1": [3.0, 2.0, 1.0, 1.0], "r@3e-3-S1-0": [3.0, 2.5, 2.0, 1.0],
+      # On the seeds they share, equal steps: the lower last loss (1e-2's).
+      "q@3e-3-S8-0": [3.0, 2.0, 2.0, 2.0], "q@1e-2-S8-0": [3.0, 2.0, 1.5, 1.0],
+      "q@1e-2-S8-1": [3.0, 3.0, 3.0, 3.0]}
+  _write_runs(tmp_path / "exp", curves)
+  result = _table(tmp_path, "--target_loss=2.0")
+  r, q = result["best_rates"]["r"], result["best_rates"]["q"]
+  assert r["per_depth"] == {"1": "1e-3", "8": "1e-3"}
+  assert r["compared_seeds"] == {"1": [], "8": [0]}
+  # q at S = 8: 1e-2's seed 1 never reaches 2.0, but the rates share seed 0
+  # only, on which both reach it at 20; 1e-2 ends lower there (1.0 < 2.0).
+  assert q["per_depth"] == {"8": "1e-2"} and q["compared_seeds"] == {"8": [0]}
+  text = (tmp_path / "out" / "staleness_depth.md").read_text()
+  # The cell is the chosen rate's mean over all its seeds; the note says
+  # which seeds the ranking used.
+  assert "| r | 1e-3, 3e-3 | 20 (1.00x) @1e-3 | 30 [20-40] (1.50x) @1e-3 |" \
+      in text
+  assert "r at S=8: rates compared on seed 0, the ones every rate ran" in text
+  assert "r at S=1: the rates share no seed: each ranked on its own" in text
+  assert "q at S=8: rates compared on seed 0" in text
