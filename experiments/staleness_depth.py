@@ -281,6 +281,12 @@ def _rule_and_rate(method: str) -> tuple[str, str]:
   return rule, rate or "config"
 
 
+def _method(rule: str, rate: str) -> str:
+  """The inverse of `_rule_and_rate`: `("pipedream", "3e-3")` ->
+  `"pipedream@3e-3"`; the config's rate: the rule alone."""
+  return rule if rate == "config" else f"{rule}@{rate}"
+
+
 def _rate_order(rate: str) -> tuple[bool, float]:
   """Rates in numeric order ("3e-3" before "1e-2"), the config's last."""
   return rate == "config", 0.0 if rate == "config" else float(rate)
@@ -301,13 +307,12 @@ def _rank(runs, rows, method: str, stages: int,
 
 
 def compared_seeds(rows, methods, stages: int) -> list[int]:
-  """The seeds on which the rates of one rule are compared at `stages`: those
-  every rate run there has, so a one-seed cell is never ranked against
-  another rate's mean over other seeds; each cell's own seeds where the rates
-  share none (then the JSON's "compared_seeds" is empty)."""
-  cells = [rows[m][stages] for m in methods if stages in rows[m]]
-  shared = set.intersection(*(set(c["seeds"]) for c in cells))
-  return sorted(shared)
+  """The seeds every one of `methods` (one rule's rates, each run at
+  `stages`) has there, so a one-seed cell is never ranked against another
+  rate's mean over other seeds; empty where they share none (`best_rates`
+  then ranks each on its own seeds)."""
+  return sorted(set.intersection(*(set(rows[m][stages]["seeds"])
+                                   for m in methods)))
 
 
 def best_rates(runs, rows) -> dict[str, dict]:
@@ -350,11 +355,11 @@ def rates_markdown(runs, rows, rates, target: float) -> str:
   for rule, info in rates.items():
     grid = ", ".join(info["rates"])
     if info["at_s1"] is not None:
-      method = f"{rule}@{info['at_s1']}" if info["at_s1"] != "config" else rule
+      method = _method(rule, info["at_s1"])
       at_s1.append(f"| {rule} ({info['at_s1']}) | {grid} | " + " | ".join(
           _cell(rows[method].get(s)) for s in stages) + " |")
-    base_cell = (rows[f"{rule}@{info['at_s1']}" if info["at_s1"] != "config"
-                      else rule][1] if info["at_s1"] is not None else None)
+    base_cell = (rows[_method(rule, info["at_s1"])][1]
+                 if info["at_s1"] is not None else None)
     base = (base_cell["steps"] if base_cell and base_cell["steps"] is not None
             else math.inf)
     cells = []
@@ -363,7 +368,7 @@ def rates_markdown(runs, rows, rates, target: float) -> str:
       if rate is None:
         cells.append("-")
         continue
-      method = f"{rule}@{rate}" if rate != "config" else rule
+      method = _method(rule, rate)
       cell = rows[method][s]
       text = _cell(cell).split(" (")[0]
       if cell["steps"] is not None and math.isfinite(base):
@@ -491,8 +496,7 @@ def main(argv):
     # Each rule at its best S = 1 rate (a rule not run at S = 1: its first).
     shown = {rule: r["at_s1"] or next(iter(r["per_depth"].values()))
              for rule, r in rates.items()}
-    best = [rule if rate == "config" else f"{rule}@{rate}"
-            for rule, rate in shown.items()]
+    best = [_method(rule, rate) for rule, rate in shown.items()]
     plot(runs, rows, target, path, levels, [m for m in best if m in rows])
 
 
