@@ -2,7 +2,7 @@
 
   python experiments/staleness_depth.py --runs='runs/staleness_depth/*' \
       [--target_loss=L | --target_fraction=0.25] [--loss_at=96,192,288] \
-      [--out_dir=DIR] [--write_figures]
+      [--out_dir=DIR] [--write_figures] [--keep_to=DIR]
 
 Reads the workdirs of configs/experiments/staleness_depth.py, named
 `<method>-S<stages>-<seed>`. A run's steps to the target is where its
@@ -30,12 +30,21 @@ Writes `staleness_depth.json` (harness.record), the markdown table
 `staleness_depth.md` and `staleness_depth.png` (validation loss against
 steps, one panel per method, and the slowdown against S) into --out_dir;
 the figure into docs/figures/ with --write_figures.
+
+`--keep_to=DIR` first copies each finished or stopped run's record (its
+config.json, metrics.jsonl and summary.json, and a stopped run's error line)
+into `DIR/<name>/`, the layout this script reads, so the tables and figures
+can be rebuilt from the records alone (the repository keeps the study's in
+experiments/results/staleness_depth/). A record already there is left as it
+is when it is the same run and refused when it is another.
 """
 
+import filecmp
 import json
 import math
 import os
 import re
+import shutil
 
 from absl import flags
 import numpy as np
@@ -57,6 +66,10 @@ _TARGET_FRACTION = flags.DEFINE_float(
 _LOSS_AT = flags.DEFINE_list(
     "loss_at", [], "Steps at which to also tabulate each (method, S)'s "
     "validation loss, mean over seeds (the last evaluation at or before).")
+
+_KEEP_TO = flags.DEFINE_string(
+    "keep_to", None, "Copy each finished or stopped run's record "
+    "(config.json, metrics.jsonl, summary.json) into DIR/<name>/ first.")
 
 _NAME = re.compile(r"^(.+)-S(\d+)-(\d+)$")
 
@@ -142,6 +155,62 @@ def load(workdirs: list[str]) -> dict[tuple[str, int], dict[int, dict]]:
     runs.setdefault((match[1], int(match[2])), {})[int(match[3])] = {
         "status": status, "steps": steps, "losses": losses}
   return runs
+
+
+RECORD_FILES = ("config.json", "metrics.jsonl", "summary.json")
+
+
+def keep(workdirs: list[str], dest: str) -> dict[str, list[str]]:
+  """Copies each finished or stopped run of `workdirs` into `dest/<name>/`
+  (`RECORD_FILES`, and a stopped run's `launch.py: error:` line as
+  `dest/<name>.err`); returns {"kept", "same", "unfinished"}: the names
+  copied, those already there as they are, those not copied (still running
+  or killed: no record to keep).
+
+  Raises:
+    ValueError: `dest/<name>` holds another run's record (it is never
+      overwritten).
+  """
+  done = {"kept": [], "same": [], "unfinished": []}
+  for workdir in workdirs:
+    name = os.path.basename(os.path.normpath(workdir))
+    if not _NAME.match(name):
+      continue
+    target = os.path.join(dest, name)
+    if os.path.abspath(target) == os.path.abspath(workdir):
+      continue
+    error = None
+    if not os.path.exists(os.path.join(workdir, "summary.json")):
+      try:
+        with open(os.path.normpath(workdir) + ".err") as f:
+          error = next((line for line in f if _NAN_STOP.search(line)), None)
+      except FileNotFoundError:
+        pass
+      if error is None:
+        done["unfinished"].append(name)
+        continue
+    files = [f for f in RECORD_FILES
+             if os.path.exists(os.path.join(workdir, f))]
+    if os.path.isdir(target):
+      same = (sorted(files) == sorted(
+          f for f in RECORD_FILES if os.path.exists(os.path.join(target, f)))
+              and all(filecmp.cmp(os.path.join(workdir, f),
+                                  os.path.join(target, f), shallow=False)
+                      for f in files))
+      if not same:
+        raise ValueError(f"--keep_to: {target} holds another run's record "
+                         f"than {workdir}; valid: a DIR without <name>/ or "
+                         "with the same run's (move the old record away)")
+      done["same"].append(name)
+      continue
+    os.makedirs(target)
+    for f in files:
+      shutil.copyfile(os.path.join(workdir, f), os.path.join(target, f))
+    if error is not None:
+      with open(target + ".err", "w") as f:
+        f.write(error)
+    done["kept"].append(name)
+  return done
 
 
 def control_at_one_stage(runs) -> list[str]:
@@ -459,6 +528,14 @@ def plot(runs, rows, target: float, path: str, levels=None,
 
 def main(argv):
   del argv
+  if _KEEP_TO.value:
+    try:
+      kept = keep(harness.workdirs(_RUNS.value), _KEEP_TO.value)
+    except ValueError as e:
+      raise SystemExit(f"staleness_depth.py: error: {e}") from None
+    print(f"kept {len(kept['kept'])} runs in {_KEEP_TO.value} "
+          f"({len(kept['same'])} already there; not kept, unfinished: "
+          f"{', '.join(kept['unfinished']) or 'none'})")
   runs = load(harness.workdirs(_RUNS.value))
   if not runs:
     raise SystemExit(f"staleness_depth.py: error: --runs={_RUNS.value} "

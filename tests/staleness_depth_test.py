@@ -196,3 +196,43 @@ def test_rates_are_ranked_on_the_seeds_they_share(tmp_path):
   assert "r at S=8: rates compared on seed 0, the ones every rate ran" in text
   assert "r at S=1: the rates share no seed: each ranked on its own" in text
   assert "q at S=8: rates compared on seed 0" in text
+
+
+def test_kept_records_rebuild_the_same_tables_and_are_never_overwritten(
+    tmp_path):
+  _fake_runs(tmp_path / "exp")
+  (tmp_path / "exp" / "m-S1-0" / "config.json").write_text('{"lr": 1}')
+  kept = tmp_path / "kept"
+  flags = ("--target_loss=2.5", "--loss_at=20,35,50")
+  from_runs = _table(tmp_path, *flags, f"--keep_to={kept}")
+  # Every finished or stopped run is kept, the unfinished one is not; the
+  # stopped run keeps its error line, so it still reads as stopped.
+  assert sorted(p.name for p in kept.iterdir()) == sorted(
+      [n for n in CURVES if n != "m-S16-0"] + ["m-S2-0", "m-S2-0.err"])
+  assert (kept / "m-S1-0" / "config.json").read_text() == '{"lr": 1}'
+  assert (kept / "m-S2-0.err").read_text().startswith(
+      "launch.py: error: loss is nan")
+  out = tmp_path / "out2"
+  subprocess.run([sys.executable, str(ROOT / "experiments" /
+                                      "staleness_depth.py"),
+                  f"--runs={kept / '*'}", f"--out_dir={out}", *flags],
+                 capture_output=True, text=True, check=True)
+  from_kept = json.loads((out / "staleness_depth.json").read_text())
+  assert from_kept["rows"] == from_runs["rows"]
+  assert ((out / "staleness_depth.md").read_text() ==
+          (tmp_path / "out" / "staleness_depth.md").read_text())
+  # Keeping again passes over the records already there (the refused run
+  # is the last); another run of a kept name is refused in one line, and
+  # the kept record stays.
+  (tmp_path / "exp" / "n-S4-1" / "metrics.jsonl").write_text(
+      '{"step": 10, "test_loss": 1.0}\n')
+  proc = subprocess.run([sys.executable, str(ROOT / "experiments" /
+                                             "staleness_depth.py"),
+                         f"--runs={tmp_path / 'exp' / '*'}",
+                         f"--keep_to={kept}", *flags],
+                        capture_output=True, text=True)
+  assert proc.returncode != 0
+  assert proc.stderr.strip().splitlines()[-1].startswith(
+      f"staleness_depth.py: error: --keep_to: {kept / 'n-S4-1'} holds "
+      "another run's record")
+  assert '"test_loss": 2.5' in (kept / "n-S4-1" / "metrics.jsonl").read_text()
