@@ -50,8 +50,6 @@ from absl import flags
 import numpy as np
 
 import harness
-from stalepipe.data import ngram
-from stalepipe.data import stdlib_corpus
 
 _RUNS = flags.DEFINE_multi_string(
     "runs", None, "Workdir globs, e.g. 'runs/staleness_depth/*'.",
@@ -461,6 +459,9 @@ def reference_levels(workdirs: list[str]) -> dict[str, float]:
   training split's n-gram models (`ngram.cross_entropy`, alpha 0.1) on the
   evaluation windows of the first run whose config.json names the stdlib
   data; {} if none does. The runs of one table share their data."""
+  # Imported here: the package (and JAX) only when a table draws the levels.
+  from stalepipe.data import ngram  # pylint: disable=g-import-not-at-top
+  from stalepipe.data import stdlib_corpus  # pylint: disable=g-import-not-at-top
   for workdir in workdirs:
     try:
       with open(os.path.join(workdir, "config.json")) as f:

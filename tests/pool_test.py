@@ -81,7 +81,9 @@ def _dc():  # compensates with the stashed version (`stale_params`)
 
 
 @pytest.mark.parametrize("name,D,P,devices,placement,optimizer,tick", [
-    ("pipedream-v", 1, 4, 4, None, _dc, "slots"),
+    ("pipedream-v", 1, 2, 2, None, _dc, "slots"),
+    pytest.param("pipedream-v", 1, 4, 4, None, _dc, "slots",
+                 marks=pytest.mark.slow),
     # the lanes' tick (`lanes.py`) on the pool: one lane a device
     pytest.param("pipedream-v", 1, 4, 4, None, _dc, "lanes",
                  marks=pytest.mark.slow),
