@@ -51,8 +51,15 @@ def _train(name, optimizer, remat="recompute", evaluate=False, **kw):
         np.testing.assert_allclose(metrics[k], rmetrics[k], atol=ATOL)
   if evaluate:  # the stages' latest weights and statistics, forward only
     got, want = pipe.evaluate(state, *data[0]), ref.evaluate(rstate, *data[0])
-    for k in ("loss", "accuracy", "outputs"):
+    for k in ("loss", "accuracy"):
       _close(got[k], want[k], ATOL)
+    # Weights ATOL apart can round a hidden value crossing a bf16 boundary to
+    # the next bf16 step (2^-8 relative), which moves every output after it:
+    # the outputs agree to a bf16 step of their largest magnitude (7.1e-3 at
+    # 3.7 on an AMD EPYC, with the weights 3.7e-5 apart).
+    scale = max(float(np.max(np.abs(np.asarray(w, np.float32))))
+                for w in jax.tree.leaves(want["outputs"]))
+    _close(got["outputs"], want["outputs"], max(ATOL, 2.0**-8 * scale))
   return model, staged, (pipe.params(state), pipe.stage_states(state)), (
       ref.params(rstate), ref.stage_states(rstate)), data
 
