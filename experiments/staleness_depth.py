@@ -78,8 +78,9 @@ _NAME = re.compile(r"^(.+)-S(\d+)-(\d+)$")
 # (tests/staleness_depth_configs_test.py), so they need no S = 1 runs of
 # their own. Not here: `dc` and `dc_asgd_ema` (equal to float rounding only:
 # their correction is zero at S = 1, yet on some CPUs their weights differ
-# from the control's in the last bits), `gap_aware` (weight decay 0), `sapipe_wp`, `zb_async`
-# (stale at S = 1 too) and the rules with another optimizer.
+# from the control's in the last bits), `gap_aware` (weight decay 0),
+# `sapipe_wp`, `zb_async` (stale at S = 1 too) and the rules with another
+# optimizer.
 CONTROL = "1f1b"
 SAME_AS_CONTROL_AT_ONE_STAGE = ("pipedream", "pipemare", "spectrain",
                                 "weight_pred")
@@ -134,6 +135,20 @@ def loss_at(steps: np.ndarray, losses: np.ndarray, step: float) -> float:
                           0)])
 
 
+def _status(workdir: str) -> tuple[str, str | None]:
+  """("done", None) for a run with summary.json; ("diverged", line) for one
+  the launcher stopped, with its `loss is nan/inf` line of `<workdir>.err`;
+  ("unfinished", None) otherwise (running or killed)."""
+  if os.path.exists(os.path.join(workdir, "summary.json")):
+    return "done", None
+  try:
+    with open(os.path.normpath(workdir) + ".err") as f:
+      line = next((line for line in f if _NAN_STOP.search(line)), None)
+  except FileNotFoundError:
+    line = None
+  return ("diverged", line) if line else ("unfinished", None)
+
+
 def load(workdirs: list[str]) -> dict[tuple[str, int], dict[int, dict]]:
   """{(method, S): {seed: {"status", "steps", "losses"}}}; status is "done",
   "diverged" (the launcher stopped on a NaN/inf loss) or "unfinished"."""
@@ -142,13 +157,7 @@ def load(workdirs: list[str]) -> dict[tuple[str, int], dict[int, dict]]:
     match = _NAME.match(os.path.basename(os.path.normpath(workdir)))
     if not match:
       continue
-    status = "done"
-    if not os.path.exists(os.path.join(workdir, "summary.json")):
-      try:
-        with open(os.path.normpath(workdir) + ".err") as f:
-          status = "diverged" if _NAN_STOP.search(f.read()) else "unfinished"
-      except FileNotFoundError:
-        status = "unfinished"
+    status, _ = _status(workdir)
     steps, losses = (read_curve(workdir) if status != "unfinished"
                      else (np.zeros(0), np.zeros(0)))
     runs.setdefault((match[1], int(match[2])), {})[int(match[3])] = {
@@ -157,6 +166,11 @@ def load(workdirs: list[str]) -> dict[tuple[str, int], dict[int, dict]]:
 
 
 RECORD_FILES = ("config.json", "metrics.jsonl", "summary.json")
+
+
+def _record_files(workdir: str) -> list[str]:
+  """The `RECORD_FILES` that `workdir` holds, in that order."""
+  return [f for f in RECORD_FILES if os.path.exists(os.path.join(workdir, f))]
 
 
 def keep(workdirs: list[str], dest: str) -> dict[str, list[str]]:
@@ -178,24 +192,15 @@ def keep(workdirs: list[str], dest: str) -> dict[str, list[str]]:
     target = os.path.join(dest, name)
     if os.path.abspath(target) == os.path.abspath(workdir):
       continue
-    error = None
-    if not os.path.exists(os.path.join(workdir, "summary.json")):
-      try:
-        with open(os.path.normpath(workdir) + ".err") as f:
-          error = next((line for line in f if _NAN_STOP.search(line)), None)
-      except FileNotFoundError:
-        pass
-      if error is None:
-        done["unfinished"].append(name)
-        continue
-    files = [f for f in RECORD_FILES
-             if os.path.exists(os.path.join(workdir, f))]
+    status, error = _status(workdir)
+    if status == "unfinished":
+      done["unfinished"].append(name)
+      continue
+    files = _record_files(workdir)
     if os.path.isdir(target):
-      same = (sorted(files) == sorted(
-          f for f in RECORD_FILES if os.path.exists(os.path.join(target, f)))
-              and all(filecmp.cmp(os.path.join(workdir, f),
-                                  os.path.join(target, f), shallow=False)
-                      for f in files))
+      same = files == _record_files(target) and all(
+          filecmp.cmp(os.path.join(workdir, f), os.path.join(target, f),
+                      shallow=False) for f in files)
       if not same:
         raise ValueError(f"--keep_to: {target} holds another run's record "
                          f"than {workdir}; valid: a DIR without <name>/ or "
