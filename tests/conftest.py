@@ -8,8 +8,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import pytest  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 # Variants that run in the slow suite only: each is a heavier sibling of a
-# case the quick suite keeps (named after the arrow). The quick suite keeps
-# one case of each parametrized test; `make test-slow` (and CI) runs the rest.
+# case the quick suite keeps, or the heaviest case of a test whose capability
+# another quick test keeps (named after the arrow); `make test-slow` (and CI)
+# runs them.
 SLOW_VARIANTS = {
     # -> the rules' NumPy renderings (optim_gap_aware_test, optim_marin_test,
     # optim_muon_test) and the executor cases of the older rules.
@@ -124,8 +125,8 @@ SLOW_VARIANTS = {
     "tests/stage_state_test.py::test_metrics_and_state_equal_the_oracle[1f1b-recompute]",
     # -> [pipedream-<lambda>].
     "tests/sync_test.py::test_executor_and_observed_staleness_equal_the_oracle[hetpipe-<lambda>0]",
-    # The quick suite's last cases of these, moved when it reached 400 s on
-    # 2 cores; the capability after the arrow keeps a quick test.
+    # Cases of 5-22 s on 2 cores; the test after the arrow keeps their
+    # capability quick.
     # -> test_the_compiled_step_writes_the_pool_in_place and the pool figures.
     "tests/pool_test.py::test_a_pooled_stash_trains_what_a_ring_a_slot_trains[pipedream-v-1-2-2-None-_dc-slots]",
     # -> test_per_stage_scope_equals_the_oracle_on_an_asynchronous_schedule.
@@ -158,7 +159,7 @@ SLOW_VARIANTS = {
     "tests/folding_test.py::test_every_schedule_folded_equals_the_oracle[1f1b-2]",
 }
 
-# Whole tests that run in the slow suite only, each 7 s or more on 2 cores;
+# Whole tests that run in the slow suite only, each 5 s or more on 2 cores;
 # the capability after the arrow keeps a quick test.
 SLOW_TESTS = {
     # -> the other launch_test and faults_test runs of launch.py.
