@@ -39,9 +39,8 @@ SLOW_VARIANTS = {
     # -> [2-1f1b] and [2-pipedream]; drain_test runs 2bw, stage_state_test zb-h1.
     "tests/executor_test.py::test_executor_equals_reference[2-2bw]",
     "tests/executor_test.py::test_executor_equals_reference[2-zb-h1]",
-    # -> [1-boundaries3].
+    # -> [2-boundaries1].
     "tests/gpipe_executor_test.py::test_gpipe_equals_unpipelined_sgd[2-boundaries2]",
-    "tests/gpipe_executor_test.py::test_gpipe_equals_unpipelined_sgd[2-boundaries1]",
     # -> wp1 with a sync policy; pipemare and spectrain alone stay quick.
     "tests/executor_update_rules_test.py::test_update_rule_with_a_sync_policy_executor_equals_oracle[pipemare-hetpipe-options0-<lambda>-2-2]",
     "tests/executor_update_rules_test.py::test_update_rule_with_a_sync_policy_executor_equals_oracle[spectrain-pipedream-options1-<lambda>-4-1]",
@@ -60,7 +59,7 @@ SLOW_VARIANTS = {
     # -> [gpipe].
     "tests/executor_test.py::test_residuals_equal_recompute_and_the_oracle[pipedream]",
     "tests/executor_test.py::test_residuals_equal_recompute_and_the_oracle[zb-h1]",
-    # -> [1f1b-recompute]; gpipe_executor_test's unpipelined equality.
+    # -> [1f1b-recompute]; gpipe_executor_test's [2-boundaries1].
     "tests/executor_test.py::test_synchronous_schedules_equal_unpipelined_training[zb-h1-recompute]",
     "tests/executor_test.py::test_synchronous_schedules_equal_unpipelined_training[zb-h1-residuals]",
     "tests/executor_test.py::test_synchronous_schedules_equal_unpipelined_training[zb-h2-recompute]",
@@ -159,8 +158,6 @@ SLOW_VARIANTS = {
     "tests/folding_test.py::test_every_schedule_folded_equals_the_oracle[1f1b-2]",
     # -> [lanes].
     "tests/pool_test.py::test_the_compiled_step_writes_the_pool_in_place[slots]",
-    # -> the other depths and models; your_model_test cuts the transformer LM.
-    "tests/models_test.py::test_split_composes_to_the_unsplit_model[4-transformer]",
     # -> the other launch.py refusals of this test.
     "tests/launch_test.py::test_bad_input_exits_with_one_line[args1-4 x 4 = 16 devices does not fit the 8]",
     "tests/faults_test.py::test_bad_input_is_one_line[seed=4294967296 is invalid; va]",
@@ -218,21 +215,12 @@ SLOW_TESTS = {
     # -> the other supervise_test tests of the child's signals and output.
     "tests/supervise_test.py::test_a_signal_to_the_process_group_reaches_the_child_once",
     "tests/supervise_test.py::test_the_child_is_a_worker_and_shares_stdout",
-    # -> test_path_masks_and_labels_mean_what_they_mean_unpipelined.
-    "tests/your_model_test.py::test_a_label_tree_of_the_whole_module_fits_the_model_scope_only",
     # -> stage_state_test's test_evaluate_reads_the_state_and_leaves_it.
     "tests/your_model_test.py::test_evaluate_keeps_each_output_dtype_and_equals_the_oracles",
     # -> test_checkpoint_of_another_config_is_refused (refused, kept).
     "tests/checkpoint_test.py::test_num_steps_below_the_checkpoint_is_refused_untouched",
-    # -> test_drain_equals_the_oracles_and_applies_every_update; trainer_test's drains.
-    "tests/drain_test.py::test_a_drained_state_takes_no_further_step",
     # -> checkpoint_test's test_nan_loss_stops_naming_the_step_and_keeps_last_good.
     "tests/trainer_test.py::test_a_drain_that_is_not_finite_stops_and_keeps_the_checkpoint",
-    # -> test_whole_model_rule_equals_unpipelined_training; the executor tests
-    # of asynchronous schedules run per-stage rules.
-    "tests/scope_test.py::test_per_stage_scope_equals_the_oracle_on_an_asynchronous_schedule",
-    # -> test_gpipe_equals_unpipelined_sgd; checkpoint_test's resumed runs.
-    "tests/gpipe_executor_test.py::test_windows_continue_where_the_last_ended",
 }
 
 
