@@ -28,8 +28,10 @@ by then, and a slowdown up to 1 / target_fraction can be measured.
 
 Writes `staleness_depth.json` (harness.record), the markdown table
 `staleness_depth.md` and `staleness_depth.png` (validation loss against
-steps, one panel per method, and the slowdown against S) into --out_dir;
-the figure into docs/figures/ with --write_figures.
+steps, one panel per rule with each depth at the rule's best rate there,
+and the slowdown against S over the rule's best S = 1 cell; what it draws
+is the JSON's "figure") into --out_dir; the figure into docs/figures/ with
+--write_figures.
 
 `--keep_to=DIR` first copies each finished or stopped run's record (its
 config.json, metrics.jsonl and summary.json, and a stopped run's error line)
@@ -490,46 +492,99 @@ def reference_levels(workdirs: list[str]) -> dict[str, float]:
   return {}
 
 
-def plot(runs, rows, target: float, path: str, levels=None,
-         methods=None) -> None:
-  """Validation loss against steps, one panel per method of `methods` (all
-  when None; a line per S and seed) with the reference `levels`, and the
-  slowdown against S (log-log), one line per method."""
+def figure_cells(rows, rates) -> dict[str, list[dict]]:
+  """What the figure draws of each rule: {rule: [{"stages", "rate",
+  "method", "slowdown", "at_least"}]}, one entry per depth at the rate
+  `best_rates` ranked first there, in order of S. `slowdown` is the cell's
+  mean steps to the target over the rule's best S = 1 cell's (as the
+  per-depth table); where a seed missed the target, `at_least` is the
+  fewest steps such a seed ran over it instead (a lower bound); both None
+  without a finished S = 1 cell that reached it.
+
+  Examples:
+    >>> rows = {"r@1e-3": {1: {"steps": 20.0, "at_least": None},
+    ...                    8: {"steps": None, "at_least": 90.0}},
+    ...         "r@3e-3": {1: {"steps": 10.0, "at_least": None},
+    ...                    8: {"steps": 40.0, "at_least": None}}}
+    >>> rates = {"r": {"at_s1": "3e-3", "per_depth": {1: "3e-3", 8: "3e-3"}}}
+    >>> [(c["stages"], c["rate"], c["slowdown"]) for c in
+    ...  figure_cells(rows, rates)["r"]]
+    [(1, '3e-3', 1.0), (8, '3e-3', 4.0)]
+  """
+  out = {}
+  for rule, info in rates.items():
+    base = None
+    if info["at_s1"] is not None:
+      base = rows[_method(rule, info["at_s1"])][1]["steps"]
+    cells = []
+    for stages, rate in sorted(info["per_depth"].items()):
+      cell = rows[_method(rule, rate)][stages]
+      ratio = bound = None
+      if base:
+        if cell["steps"] is not None:
+          ratio = cell["steps"] / base
+        elif cell["at_least"] is not None:
+          bound = cell["at_least"] / base
+      cells.append({"stages": stages, "rate": rate,
+                    "method": _method(rule, rate), "slowdown": ratio,
+                    "at_least": bound})
+    out[rule] = cells
+  return out
+
+
+def plot(runs, cells, target: float, path: str, levels=None,
+         columns: int = 4) -> None:
+  """One panel per rule of `cells` (`figure_cells`): the validation loss of
+  every seed at each depth, at the rule's best rate there (named in the
+  legend), with the target and the reference `levels`; a last panel, the
+  slowdown against S (log-log), hollow where it is a lower bound."""
   import matplotlib  # pylint: disable=g-import-not-at-top
   matplotlib.use("Agg")
   from matplotlib import pyplot as plt  # pylint: disable=g-import-not-at-top
-  methods = list(methods or rows)
-  fig, axes = plt.subplots(1, len(methods) + 1,
-                           figsize=(4 * (len(methods) + 1), 3.8),
+  panels = len(cells) + 1
+  nrows = -(-panels // columns)
+  fig, axes = plt.subplots(nrows, columns, figsize=(4.2 * columns,
+                                                    3.6 * nrows),
                            squeeze=False)
-  colors = plt.get_cmap("viridis")
-  for ax, method in zip(axes[0], methods):
-    for (m, stages), seeds in sorted(runs.items()):
-      for seed, r in seeds.items():
-        if m == method and r["steps"].size:
-          ax.plot(r["steps"], r["losses"],
-                  color=colors(math.log2(stages) / 5),
-                  label=f"S={stages}" if seed == min(seeds) else None)
-    ax.axhline(target, color="grey", lw=0.8, ls="--")
+  depth_color = plt.get_cmap("viridis")
+  flat = list(axes.flat)
+  for ax, (rule, rule_cells) in zip(flat, cells.items()):
+    for cell in rule_cells:
+      seeds = runs.get((cell["method"], cell["stages"]), {})
+      for seed, r in sorted(seeds.items()):
+        if r["steps"].size:
+          ax.plot(r["steps"], r["losses"], lw=1,
+                  color=depth_color(math.log2(cell["stages"]) / 5.5),
+                  label=(f"S={cell['stages']} @{cell['rate']}"
+                         if seed == min(seeds) else None))
+    ax.axhline(target, color="grey", lw=0.8, ls="--", label="target")
     for (name, level), ls in zip((levels or {}).items(), (":", "-.", "--")):
       ax.axhline(level, color="tab:red", lw=0.8, ls=ls, label=name)
-    ax.set(title=method, xlabel="step", ylabel="validation loss")
-    ax.legend(fontsize=8)
-  ax = axes[0][-1]
-  for method in methods:
-    row = rows[method]
-    points = [(s, c["slowdown"]) for s, c in sorted(row.items())
-              if c["slowdown"] is not None]
-    if points:
-      ax.plot(*zip(*points), marker="o", label=method)
+    ax.set(title=rule, xlabel="step", ylabel="validation loss (nats/byte)")
+    ax.legend(fontsize=7)
+  ax = flat[len(cells)]
+  rule_color = plt.get_cmap("tab20")
+  for i, (rule, rule_cells) in enumerate(cells.items()):
+    color = rule_color(i % 20)
+    reached = [(c["stages"], c["slowdown"]) for c in rule_cells
+               if c["slowdown"] is not None]
+    bounds = [(c["stages"], c["at_least"]) for c in rule_cells
+              if c["at_least"] is not None]
+    if reached:
+      ax.plot(*zip(*reached), marker="o", color=color, label=rule)
+    if bounds:
+      ax.plot(*zip(*bounds), ls="none", marker="^", mfc="none", color=color,
+              label=None if reached else f"{rule} (>)")
   ax.set_xscale("log", base=2)
   ax.set_yscale("log", base=2)
-  ax.set(xlabel="stages S", ylabel="steps to target / steps at S=1",
-         title="slowdown")
+  ax.set(xlabel="stages S", ylabel="steps to target / best S=1 cell's",
+         title="slowdown (hollow: at least)")
   if ax.lines:
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=6, ncol=2)
+  for ax in flat[panels:]:
+    ax.axis("off")
   fig.tight_layout()
-  fig.savefig(path, dpi=110)
+  fig.savefig(path, dpi=90)
   plt.close(fig)
 
 
@@ -553,9 +608,10 @@ def main(argv):
             else default_target(runs, _TARGET_FRACTION.value))
   rows = table(runs, target)
   rates = best_rates(runs, rows)
+  cells = figure_cells(rows, rates)
   levels = reference_levels(harness.workdirs(_RUNS.value))
   harness.record("staleness_depth", {"target_loss": target, "rows": rows,
-                                     "best_rates": rates,
+                                     "best_rates": rates, "figure": cells,
                                      "reference_levels": levels,
                                      "s1_from_control": from_control})
   text = markdown(rows, target)
@@ -577,11 +633,7 @@ def main(argv):
       f.write(text + "\n")
   path = harness.figure_path("staleness_depth.png")
   if path:
-    # Each rule at its best S = 1 rate (a rule not run at S = 1: its first).
-    shown = {rule: r["at_s1"] or next(iter(r["per_depth"].values()))
-             for rule, r in rates.items()}
-    best = [_method(rule, rate) for rule, rate in shown.items()]
-    plot(runs, rows, target, path, levels, [m for m in best if m in rows])
+    plot(runs, cells, target, path, levels)
 
 
 if __name__ == "__main__":

@@ -122,7 +122,8 @@ def test_rates_best_at_s1_and_per_depth_and_the_drained_point_is_left_out(
     tmp_path):
   curves = {  # validation loss at steps 10, 20, 30 (30: the drained one)
       "r@1e-3-S1-0": [3.0, 2.0, 9.0], "r@3e-3-S1-0": [2.0, 1.0, 9.0],
-      "r@1e-3-S8-0": [3.0, 2.0, 0.0], "r@3e-3-S8-0": [3.0, 3.0, 0.0]}
+      "r@1e-3-S8-0": [3.0, 2.0, 0.0], "r@3e-3-S8-0": [3.0, 3.0, 0.0],
+      "b@1e-3-S1-0": [2.0, 1.0, 9.0], "b@1e-3-S8-0": [3.0, 3.0, 0.0]}
   _write_runs(tmp_path / "exp", curves, num_steps=30)
   result = _table(tmp_path, "--target_loss=2.0")
   rows = result["rows"]
@@ -134,6 +135,16 @@ def test_rates_best_at_s1_and_per_depth_and_the_drained_point_is_left_out(
   best = result["best_rates"]["r"]
   assert best["at_s1"] == "3e-3" and best["per_depth"] == {"1": "3e-3",
                                                            "8": "1e-3"}
+  # The figure draws each depth at its best rate there, its slowdown over
+  # the best S = 1 cell (r: 20 / 10); b misses the target at S = 8 after
+  # 20 steps (the drained point is not one): at least 20 / 10.
+  assert result["figure"]["r"] == [
+      {"stages": 1, "rate": "3e-3", "method": "r@3e-3", "slowdown": 1.0,
+       "at_least": None},
+      {"stages": 8, "rate": "1e-3", "method": "r@1e-3", "slowdown": 2.0,
+       "at_least": None}]
+  assert [(c["stages"], c["slowdown"], c["at_least"])
+          for c in result["figure"]["b"]] == [(1, 1.0, None), (8, None, 2.0)]
   text = (tmp_path / "out" / "staleness_depth.md").read_text()
   assert "| r (3e-3) | 1e-3, 3e-3 | 10 (1.00x) | >20 (>2.00x) |" in text
   assert "| r | 1e-3, 3e-3 | 10 (1.00x) @3e-3 | 20 (2.00x) @1e-3 |" in text
