@@ -414,10 +414,10 @@ def best_rates(runs, rows) -> dict[str, dict]:
   return out
 
 
-def rates_markdown(runs, rows, rates, target: float) -> str:
+def rates_markdown(rows, rates, figure, target: float) -> str:
   """Two tables: each rule at its best S = 1 rate, and at its best rate at
   each depth (the rate in the cell; the slowdown over the rule's best S = 1
-  cell)."""
+  cell, `figure_cells`'s, which `figure` holds)."""
   stages = sorted({s for row in rows.values() for s in row})
   head = ("| rule | rates | " + " | ".join(f"S={s}" for s in stages) + " |",
           "|---|---|" + "---:|" * len(stages))
@@ -433,21 +433,16 @@ def rates_markdown(runs, rows, rates, target: float) -> str:
       method = _method(rule, info["at_s1"])
       at_s1.append(f"| {rule} ({info['at_s1']}) | {grid} | " + " | ".join(
           _cell(rows[method].get(s)) for s in stages) + " |")
-    base_cell = (rows[_method(rule, info["at_s1"])][1]
-                 if info["at_s1"] is not None else None)
-    base = (base_cell["steps"] if base_cell and base_cell["steps"] is not None
-            else math.inf)
+    shown = {c["stages"]: c for c in figure[rule]}
     cells = []
     for s in stages:
-      rate = info["per_depth"].get(s)
-      if rate is None:
+      if s not in shown:
         cells.append("-")
         continue
-      method = _method(rule, rate)
-      cell = rows[method][s]
+      rate, cell = shown[s]["rate"], rows[shown[s]["method"]][s]
       text = _cell(cell).split(" (")[0]
-      if cell["steps"] is not None and math.isfinite(base):
-        text += f" ({cell['steps'] / base:.2f}x)"
+      if shown[s]["slowdown"] is not None:
+        text += f" ({shown[s]['slowdown']:.2f}x)"
       cells.append(f"{text} @{rate}")
       seeds = info["compared_seeds"][s]
       if len(info["rates"]) > 1 and seeds != cell["seeds"]:
@@ -532,8 +527,7 @@ def figure_cells(rows, rates) -> dict[str, list[dict]]:
   return out
 
 
-def plot(runs, cells, target: float, path: str, levels=None,
-         columns: int = 4) -> None:
+def plot(runs, cells, target: float, path: str, levels=None) -> None:
   """One panel per rule of `cells` (`figure_cells`): the validation loss of
   every seed at each depth, at the rule's best rate there (named in the
   legend), with the target and the reference `levels`; a last panel, the
@@ -541,7 +535,7 @@ def plot(runs, cells, target: float, path: str, levels=None,
   import matplotlib  # pylint: disable=g-import-not-at-top
   matplotlib.use("Agg")
   from matplotlib import pyplot as plt  # pylint: disable=g-import-not-at-top
-  panels = len(cells) + 1
+  panels, columns = len(cells) + 1, 4
   nrows = -(-panels // columns)
   fig, axes = plt.subplots(nrows, columns, figsize=(4.2 * columns,
                                                     3.6 * nrows),
@@ -623,7 +617,7 @@ def main(argv):
             "training split, nats/byte): " + ", ".join(
                 f"{k} {v:.3f}" for k, v in levels.items()) + "\n\n" + text)
   if any(len(r["rates"]) > 1 for r in rates.values()):
-    text += "\n\n" + rates_markdown(runs, rows, rates, target)
+    text += "\n\n" + rates_markdown(rows, rates, cells, target)
   if _LOSS_AT.value:
     text += "\n\n" + losses_at(own, [int(s) for s in _LOSS_AT.value])
   print(text)
