@@ -382,19 +382,46 @@ def _rank(runs, rows, method: str, stages: int,
 
 
 def compared_seeds(rows, methods, stages: int) -> list[int]:
-  """The seeds every one of `methods` (one rule's rates, each run at
-  `stages`) has there, so a one-seed cell is never ranked against another
-  rate's mean over other seeds; empty where they share none (`best_rates`
-  then ranks each on its own seeds)."""
+  """The seeds every one of `methods` (rates of one rule, each run at
+  `stages`) has there; empty where they share none."""
   return sorted(set.intersection(*(set(rows[m][stages]["seeds"])
                                    for m in methods)))
 
 
+def _pairs(rows, here: dict[str, str], stages: int) -> dict[str, list[int]]:
+  """{"<rate>/<rate>": the seeds both ran at `stages`} for every pair of
+  `here`'s rates, in rate order."""
+  rates = sorted(here, key=_rate_order)
+  return {f"{a}/{b}": compared_seeds(rows, (here[a], here[b]), stages)
+          for i, a in enumerate(rates) for b in rates[i + 1:]}
+
+
+def _best_rate(runs, rows, here: dict[str, str], stages: int,
+               pairs: dict[str, list[int]]) -> str:
+  """The rate that wins most comparisons with the others, each pair ranked
+  (`_rank`) on the seeds both ran, or each on its own seeds where they share
+  none; equal wins: the most seeds, then the best `_rank` on its own seeds,
+  then the smaller rate. So two rates with three seeds each are told apart
+  on all three, never on the one seed a third rate shares with them."""
+  wins = dict.fromkeys(here, 0)
+  for pair, seeds in pairs.items():
+    a, b = pair.split("/")
+    rank_a, rank_b = (_rank(runs, rows, here[r], stages,
+                            seeds or rows[here[r]][stages]["seeds"])
+                      for r in (a, b))
+    if rank_a != rank_b:
+      wins[a if rank_a < rank_b else b] += 1
+  return min(sorted(here, key=_rate_order), key=lambda r: (
+      -wins[r], -len(rows[here[r]][stages]["seeds"]),
+      _rank(runs, rows, here[r], stages, rows[here[r]][stages]["seeds"])))
+
+
 def best_rates(runs, rows) -> dict[str, dict]:
-  """{rule: {"rates", "at_s1" (the rate ranked first at S = 1, `_rank`),
-  "per_depth" {S: the rate ranked first at S}, "compared_seeds" {S: the
-  seeds the ranking at S used, `compared_seeds`}}}, over the methods named
-  `<rule>@<rate>` (a method without `@` is its own rule at one rate)."""
+  """{rule: {"rates", "at_s1" (the rate ranked first at S = 1), "per_depth"
+  {S: the rate ranked first at S, `_best_rate`}, "compared_seeds" {S:
+  {"<rate>/<rate>": the seeds that pair was ranked on, `_pairs`}}}, over the
+  methods named `<rule>@<rate>` (a method without `@` is its own rule at one
+  rate)."""
   rules = {}
   for method in rows:
     rule, rate = _rule_and_rate(method)
@@ -405,9 +432,8 @@ def best_rates(runs, rows) -> dict[str, dict]:
     best, compared = {}, {}
     for s in depths:
       here = {r: m for r, m in methods.items() if s in rows[m]}
-      seeds = compared[s] = compared_seeds(rows, here.values(), s)
-      best[s] = min(sorted(here, key=_rate_order), key=lambda r, s=s: _rank(
-          runs, rows, here[r], s, seeds or rows[here[r]][s]["seeds"]))
+      compared[s] = _pairs(rows, here, s)
+      best[s] = _best_rate(runs, rows, here, s, compared[s])
     out[rule] = {"rates": sorted(methods, key=_rate_order),
                  "at_s1": best.get(1),
                  "per_depth": best, "compared_seeds": compared}
@@ -444,17 +470,21 @@ def rates_markdown(rows, rates, figure, target: float) -> str:
       if shown[s]["slowdown"] is not None:
         text += f" ({shown[s]['slowdown']:.2f}x)"
       cells.append(f"{text} @{rate}")
-      seeds = info["compared_seeds"][s]
-      if len(info["rates"]) > 1 and seeds != cell["seeds"]:
-        notes.append(f"{rule} at S={s}: " + (
-            "rates compared on seed" + "s" * (len(seeds) > 1) + " "
-            + ", ".join(map(str, seeds)) + ", the ones every rate ran"
-            if seeds else "the rates share no seed: each ranked on its own"))
+      pairs = {p: seeds for p, seeds in info["compared_seeds"][s].items()
+               if rate in p.split("/") and seeds != cell["seeds"]}
+      if pairs:
+        notes.append(f"{rule} at S={s}: " + ", ".join(
+            f"{p} on " + ("seed" + "s" * (len(seeds) > 1) + " "
+                          + " ".join(map(str, seeds)) if seeds
+                          else "their own seeds (none shared)")
+            for p, seeds in pairs.items()))
     per_depth.append(f"| {rule} | {grid} | " + " | ".join(cells) + " |")
   return "\n".join(at_s1 + [""] + per_depth + (
-      ["", "Rates ranked on the seeds they share (fewest mean steps, then the "
-       "lowest last loss); the cell is the chosen rate's mean over all its "
-       "seeds. " + "; ".join(notes) + "."] if notes else []))
+      ["", "Rates compared two at a time on the seeds both ran (fewest mean "
+       "steps, then the lowest mean last loss); the cell is the rate with "
+       "the most wins, at its mean over all its seeds. Where the cell's rate "
+       "was compared on fewer seeds than the cell has: " + "; ".join(notes)
+       + "."] if notes else []))
 
 
 def reference_levels(workdirs: list[str]) -> dict[str, float]:

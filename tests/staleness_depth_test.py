@@ -195,18 +195,45 @@ def test_rates_are_ranked_on_the_seeds_they_share(tmp_path):
   result = _table(tmp_path, "--target_loss=2.0")
   r, q = result["best_rates"]["r"], result["best_rates"]["q"]
   assert r["per_depth"] == {"1": "1e-3", "8": "1e-3"}
-  assert r["compared_seeds"] == {"1": [], "8": [0]}
+  assert r["compared_seeds"] == {"1": {"1e-3/3e-3": []},
+                                 "8": {"1e-3/3e-3": [0]}}
   # q at S = 8: 1e-2's seed 1 never reaches 2.0, but the rates share seed 0
   # only, on which both reach it at 20; 1e-2 ends lower there (1.0 < 2.0).
-  assert q["per_depth"] == {"8": "1e-2"} and q["compared_seeds"] == {"8": [0]}
+  assert q["per_depth"] == {"8": "1e-2"}
+  assert q["compared_seeds"] == {"8": {"3e-3/1e-2": [0]}}
   text = (tmp_path / "out" / "staleness_depth.md").read_text()
   # The cell is the chosen rate's mean over all its seeds; the note says
-  # which seeds the ranking used.
+  # which seeds each comparison used.
   assert "| r | 1e-3, 3e-3 | 20 (1.00x) @1e-3 | 30 [20-40] (1.50x) @1e-3 |" \
       in text
-  assert "r at S=8: rates compared on seed 0, the ones every rate ran" in text
-  assert "r at S=1: the rates share no seed: each ranked on its own" in text
-  assert "q at S=8: rates compared on seed 0" in text
+  assert "r at S=8: 1e-3/3e-3 on seed 0" in text
+  assert "r at S=1: 1e-3/3e-3 on their own seeds (none shared)" in text
+  assert "q at S=8: 3e-3/1e-2 on seed 0" in text
+
+
+def test_two_rates_with_three_seeds_each_are_ranked_on_all_three(tmp_path):
+  curves = {  # validation loss at steps 10, 20, 30, 40; target 2.0
+      # Seed 0: 3e-3 (reaches 2.0 at 20) is ahead of 1e-3 (30) and 1e-2
+      # (40). Over the seeds 1e-3 and 3e-3 both ran (0-2), 1e-3 reaches it at
+      # 30, 20, 20 (mean 23.3) and 3e-3 at 20, 40, never: 1e-3 is ahead. A
+      # ranking on the one seed all three rates share would pick 3e-3.
+      "r@1e-3-S8-0": [3.0, 2.5, 2.0, 1.5], "r@1e-3-S8-1": [3.0, 2.0, 1.5, 1.0],
+      "r@1e-3-S8-2": [3.0, 2.0, 1.5, 1.0],
+      "r@3e-3-S8-0": [3.0, 2.0, 1.5, 1.0], "r@3e-3-S8-1": [3.0, 3.0, 2.5, 2.0],
+      "r@3e-3-S8-2": [3.0, 3.0, 3.0, 3.0],
+      "r@1e-2-S8-0": [3.0, 3.0, 2.5, 2.0]}
+  _write_runs(tmp_path / "exp", curves)
+  result = _table(tmp_path, "--target_loss=2.0")
+  r = result["best_rates"]["r"]
+  assert r["compared_seeds"]["8"] == {"1e-3/3e-3": [0, 1, 2],
+                                      "1e-3/1e-2": [0], "3e-3/1e-2": [0]}
+  # 1e-3 beats 3e-3 (on seeds 0-2) and 1e-2 (seed 0: 30 < 40): two wins.
+  assert r["per_depth"] == {"8": "1e-3"}
+  # Alone, the pair on seed 0 would go the other way.
+  del curves["r@1e-3-S8-1"], curves["r@1e-3-S8-2"]
+  _write_runs(tmp_path / "one_shared" / "exp", curves)
+  result = _table(tmp_path / "one_shared", "--target_loss=2.0")
+  assert result["best_rates"]["r"]["per_depth"] == {"8": "3e-3"}
 
 
 def test_kept_records_rebuild_the_same_tables_and_are_never_overwritten(
