@@ -418,10 +418,11 @@ def _best_rate(runs, rows, here: dict[str, str], stages: int,
 
 def best_rates(runs, rows) -> dict[str, dict]:
   """{rule: {"rates", "at_s1" (the rate ranked first at S = 1), "per_depth"
-  {S: the rate ranked first at S, `_best_rate`}, "compared_seeds" {S:
-  {"<rate>/<rate>": the seeds that pair was ranked on, `_pairs`}}}, over the
-  methods named `<rule>@<rate>` (a method without `@` is its own rule at one
-  rate)."""
+  {S: the rate ranked first at S, `_best_rate`}, "run_at" {S: the rates run
+  at S}, "compared_seeds" {S: {"<rate>/<rate>": the seeds that pair was
+  ranked on, `_pairs`}}}, over the methods named `<rule>@<rate>` (a method
+  without `@` is its own rule at one rate). Where "run_at" has one rate of
+  several in "rates", "per_depth" is that rate, a best of one."""
   rules = {}
   for method in rows:
     rule, rate = _rule_and_rate(method)
@@ -429,21 +430,24 @@ def best_rates(runs, rows) -> dict[str, dict]:
   out = {}
   for rule, methods in sorted(rules.items()):
     depths = sorted({s for m in methods.values() for s in rows[m]})
-    best, compared = {}, {}
+    best, run_at, compared = {}, {}, {}
     for s in depths:
       here = {r: m for r, m in methods.items() if s in rows[m]}
+      run_at[s] = sorted(here, key=_rate_order)
       compared[s] = _pairs(rows, here, s)
       best[s] = _best_rate(runs, rows, here, s, compared[s])
     out[rule] = {"rates": sorted(methods, key=_rate_order),
-                 "at_s1": best.get(1),
-                 "per_depth": best, "compared_seeds": compared}
+                 "at_s1": best.get(1), "per_depth": best, "run_at": run_at,
+                 "compared_seeds": compared}
   return out
 
 
 def rates_markdown(rows, rates, figure, target: float) -> str:
   """Two tables: each rule at its best S = 1 rate, and at its best rate at
   each depth (the rate in the cell; the slowdown over the rule's best S = 1
-  cell, `figure_cells`'s, which `figure` holds)."""
+  cell, `figure_cells`'s, which `figure` holds). A rate that is the only one
+  of the rule's grid run at a depth says so ("only rate run"): it is no best
+  of several."""
   stages = sorted({s for row in rows.values() for s in row})
   head = ("| rule | rates | " + " | ".join(f"S={s}" for s in stages) + " |",
           "|---|---|" + "---:|" * len(stages))
@@ -455,9 +459,12 @@ def rates_markdown(rows, rates, figure, target: float) -> str:
   notes = []
   for rule, info in rates.items():
     grid = ", ".join(info["rates"])
+    alone = {s for s, run in info["run_at"].items()
+             if len(run) == 1 < len(info["rates"])}
     if info["at_s1"] is not None:
       method = _method(rule, info["at_s1"])
-      at_s1.append(f"| {rule} ({info['at_s1']}) | {grid} | " + " | ".join(
+      rate = info["at_s1"] + ", only rate run" * (1 in alone)
+      at_s1.append(f"| {rule} ({rate}) | {grid} | " + " | ".join(
           _cell(rows[method].get(s)) for s in stages) + " |")
     shown = {c["stages"]: c for c in figure[rule]}
     cells = []
@@ -469,7 +476,7 @@ def rates_markdown(rows, rates, figure, target: float) -> str:
       text = _cell(cell).split(" (")[0]
       if shown[s]["slowdown"] is not None:
         text += f" ({shown[s]['slowdown']:.2f}x)"
-      cells.append(f"{text} @{rate}")
+      cells.append(f"{text} @{rate}" + " (only rate run)" * (s in alone))
       pairs = {p: seeds for p, seeds in info["compared_seeds"][s].items()
                if rate in p.split("/") and seeds != cell["seeds"]}
       if pairs:

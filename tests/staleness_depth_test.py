@@ -150,6 +150,29 @@ def test_rates_best_at_s1_and_per_depth_and_the_drained_point_is_left_out(
   assert "| r | 1e-3, 3e-3 | 10 (1.00x) @3e-3 | 20 (2.00x) @1e-3 |" in text
 
 
+def test_a_depth_with_one_rate_of_the_grid_is_flagged_not_called_best(
+    tmp_path):
+  curves = {  # validation loss at steps 10, 20, 30; target 2.0
+      "r@1e-3-S1-0": [3.0, 2.0, 1.0], "r@3e-3-S1-0": [2.0, 1.0, 1.0],
+      "r@3e-3-S8-0": [3.0, 3.0, 2.0],  # S = 8: 3e-3 alone
+      "r@1e-3-S32-0": [3.0, 3.0, 3.0], "r@3e-3-S32-0": [3.0, 2.5, 2.5],
+      "q@1e-3-S1-0": [3.0, 2.0, 1.0],  # S = 1: 1e-3 alone
+      "q@1e-3-S8-0": [3.0, 3.0, 2.0], "q@3e-3-S8-0": [3.0, 2.0, 2.0]}
+  _write_runs(tmp_path / "exp", curves)
+  result = _table(tmp_path, "--target_loss=2.0")
+  r, q = result["best_rates"]["r"], result["best_rates"]["q"]
+  assert r["run_at"] == {"1": ["1e-3", "3e-3"], "8": ["3e-3"],
+                         "32": ["1e-3", "3e-3"]}
+  assert q["run_at"] == {"1": ["1e-3"], "8": ["1e-3", "3e-3"]}
+  text = (tmp_path / "out" / "staleness_depth.md").read_text()
+  # r: S = 1 best of two (10 < 20); S = 8 its one rate there; S = 32 neither
+  # reaches 2.0, 3e-3 ends lower (2.5 < 3.0).
+  assert ("| r | 1e-3, 3e-3 | 10 (1.00x) @3e-3 | 30 (3.00x) @3e-3 (only rate "
+          "run) | >30 @3e-3 |") in text
+  assert "| q (1e-3, only rate run) | 1e-3, 3e-3 | 20 (1.00x) |" in text
+  assert "| r (3e-3) |" in text
+
+
 def test_s1_cell_of_a_rule_equal_to_the_control_is_the_controls_run(
     tmp_path):
   curves = {  # validation loss at steps 10, 20, 30
