@@ -463,8 +463,8 @@ def rates_markdown(rows, rates, figure, target: float) -> str:
              if len(run) == 1 < len(info["rates"])}
     if info["at_s1"] is not None:
       method = _method(rule, info["at_s1"])
-      rate = info["at_s1"] + ", only rate run" * (1 in alone)
-      at_s1.append(f"| {rule} ({rate}) | {grid} | " + " | ".join(
+      label = info["at_s1"] + ", only rate run" * (1 in alone)
+      at_s1.append(f"| {rule} ({label}) | {grid} | " + " | ".join(
           _cell(rows[method].get(s)) for s in stages) + " |")
     shown = {c["stages"]: c for c in figure[rule]}
     cells = []
