@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import tensorstore as ts
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -229,17 +230,28 @@ def test_unfinished_save_is_ignored_and_last_good_resumed(tmp_path):
   assert summary["resumed_from_step"] == 8
 
 
-def _largest_file(directory):
-  files = [p for p in directory.rglob("*") if p.is_file()]
-  return max(files, key=lambda p: p.stat().st_size)
+def _chunk_copies(state_dir):
+  """Where the bytes of the state's largest stored chunk lie on disk.
 
-
-def _flip_bytes(path):
-  """Flips bytes in the middle of `path`, keeping its size."""
-  data = bytearray(path.read_bytes())
-  for i in range(len(data) // 2, len(data) // 2 + 8):
-    data[i] ^= 0xFF
-  path.write_bytes(bytes(data))
+  Corrupting "the middle of the largest file" is not enough: an OCDBT data
+  file also holds b-tree nodes of earlier commits that no read touches, and
+  which file holds what varies with save timing. The largest chunk's bytes
+  are read on restore; every copy of them (an earlier commit may hold one)
+  is returned as (path, start, length).
+  """
+  kvstore = ts.KvStore.open(
+      {"driver": "ocdbt", "base": f"file://{state_dir}/"}).result()
+  chunk = max((kvstore.read(key).result().value
+               for key in kvstore.list().result()), key=len)
+  copies = []
+  for path in sorted(state_dir.rglob("*")):
+    data = path.read_bytes() if path.is_file() else b""
+    start = data.find(chunk)
+    while start >= 0:
+      copies.append((path, start, len(chunk)))
+      start = data.find(chunk, start + 1)
+  assert copies, f"no copy of a {len(chunk)}-byte chunk under {state_dir}"
+  return copies
 
 
 def _tree_bytes(directory):
@@ -248,12 +260,19 @@ def _tree_bytes(directory):
 
 
 def _corrupt_truncated(step_dir):
-  victim = _largest_file(step_dir / "state")
-  victim.write_bytes(victim.read_bytes()[:victim.stat().st_size // 2])
+  """Cuts each file holding the largest chunk in the middle of that chunk."""
+  for path, start, length in _chunk_copies(step_dir / "state"):
+    path.write_bytes(path.read_bytes()[:start + length // 2])
 
 
 def _corrupt_flipped(step_dir):
-  _flip_bytes(_largest_file(step_dir / "state"))
+  """Flips 8 bytes in the middle of the largest chunk, keeping sizes: the
+  chunk still decodes (float bits are stored raw), to other values."""
+  for path, start, length in _chunk_copies(step_dir / "state"):
+    data = bytearray(path.read_bytes())
+    for i in range(start + length // 2, start + length // 2 + 8):
+      data[i] ^= 0xFF
+    path.write_bytes(bytes(data))
 
 
 def _corrupt_emptied(step_dir):
