@@ -266,8 +266,8 @@ def _corrupt_truncated(step_dir):
 
 
 def _corrupt_flipped(step_dir):
-  """Flips 8 bytes in the middle of the largest chunk, keeping sizes: the
-  chunk still decodes (float bits are stored raw), to other values."""
+  """Flips 8 bytes in the middle of the largest chunk, keeping sizes: its
+  zstd frame still decodes, to other values, which the state checksums catch."""
   for path, start, length in _chunk_copies(step_dir / "state"):
     data = bytearray(path.read_bytes())
     for i in range(start + length // 2, start + length // 2 + 8):
