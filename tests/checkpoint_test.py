@@ -116,6 +116,38 @@ def test_sigterm_then_resume_equals_straight_run(tmp_path, name):
   assert steps == list(range(2, NUM_WINDOWS * 2 + 1, 2))
 
 
+def _evaluations(workdir):
+  """(step, test loss, test accuracy) of each evaluation a run recorded."""
+  records = map(json.loads, (workdir / "metrics.jsonl").open())
+  return [(r["step"], r["test_loss"], r["test_accuracy"]) for r in records
+          if "test_loss" in r]
+
+
+@pytest.mark.parametrize("how", ["preempted", "extended"])
+def test_a_resumed_run_records_each_evaluation_of_the_straight_run(tmp_path,
+                                                                   how):
+  """Stopped where an evaluation is due (by SIGTERM, or at its old
+  `num_steps`, whose evaluation is of the drained weights) and resumed, a
+  run records the straight run's evaluations, the one of the undrained
+  state at the step it resumed from included."""
+  def config(num_steps=24):
+    return tiny(schedule="pipedream", num_steps=num_steps, eval_every=2)
+
+  straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+  trainer.train_and_evaluate(config(), str(straight))
+  if how == "extended":
+    trainer.train_and_evaluate(config(num_steps=12), str(resumed))
+  else:
+    thread = sigterm_after_first_window(str(resumed))
+    assert trainer.train_and_evaluate(config(),
+                                      str(resumed))["preempted"] == "SIGTERM"
+    thread.join()
+  second = trainer.train_and_evaluate(config(), str(resumed))
+  assert second["resumed_from_step"] in range(2, 24, 2)
+  assert _evaluations(resumed) == _evaluations(straight)
+  assert len(_evaluations(straight)) == 12  # one a window, the last drained
+
+
 def _halves_equal_straight(tmp_path, first, then):
   """A run of config `then`, and one of `first` for half its windows
   resumed under `then`, end with the same parameters bit for bit."""

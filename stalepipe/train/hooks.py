@@ -191,6 +191,15 @@ class Evaluate:
     if run.step < self._num_steps:
       self._show(run.step, *self.at(run))
 
+  def resumed(self, run: loop.Run, steps_per_window: int) -> None:
+    """At the step a run resumes from, the evaluation the uninterrupted run
+    made there, when one was due (the resumed `metrics.Writer` dropped what
+    the stopped run recorded at that step: the same figures after a
+    SIGTERM, those of the drained weights where the run is extended past
+    its old `num_steps`)."""
+    if loop.due(self.every, run.step, steps_per_window):
+      self(run)
+
   def final(self, run: loop.Run) -> tuple[float, float]:
     """Test loss and accuracy of the run's final (drained) state, shown; a
     mid-run evaluation at the same step (an early stop) is of other weights."""

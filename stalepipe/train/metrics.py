@@ -113,8 +113,9 @@ class Writer:
     enabled: False on processes other than 0: nothing is written.
     resume_step: for a resumed run, the step of its checkpoint: the records
       up to it are kept, later ones (written after that checkpoint, before
-      the stop) dropped, and so is a final evaluation at that step (the
-      resumed run writes its own). None starts anew.
+      the stop) dropped, and so is an evaluation at that step (the resumed
+      run evaluates there again where one is due: `hooks.Evaluate.resumed`).
+      None starts anew.
   """
 
   def __init__(self, workdir: str, enabled: bool, resume_step: int | None):

@@ -7,14 +7,17 @@ its workdir, which it holds locked (`workdir.lock`) while it runs:
   `loss.png`, `schedule.png`, `params.npz` (the final weights);
 - `checkpoints/<step>/`: the whole pipeline state and the trainer's
   position. A run started on a workdir that holds a checkpoint resumes from
-  it and ends with exactly the parameters of the uninterrupted run.
+  it and ends with exactly the parameters of the uninterrupted run, and its
+  `metrics.jsonl` with that run's evaluations (the one due at the step it
+  resumes from is taken again: `hooks.Evaluate.resumed`).
 
 Evaluation runs through the mesh (`Pipeline.evaluate`, `hooks.evaluate`).
 A run that reaches `num_steps` drains its pipeline (`Pipeline.drain`: the
 minibatches an asynchronous schedule still has in flight finish), then
 evaluates and writes `params.npz` from the drained weights; its last
 checkpoint holds the state before the drain, so a larger `num_steps`
-continues it as if it had never stopped.
+continues it as if it had never stopped (its evaluation at the old end is
+then taken again, of the undrained state, as the longer run takes it).
 
 The config is checked whole by building its parts (`build.parts`) before
 anything is written. Intervals (`log_every`, `eval_every`,
@@ -221,6 +224,8 @@ def _train(parts: build.Parts, workdir: str,
                                 resume_step=first if first else None)
     hooks, throughput, evaluation = _hooks(parts, config_dict, ckpt, writer,
                                            console, preemption)
+    if first:
+      evaluation.resumed(loop.Run(first, state, {}), B)
     end, why = loop.run(pipe.step, loop.Run(first, state, {}), parts.batch,
                         num_steps, B, [*hooks, *configured, *user_hooks])
     ckpt.wait()
