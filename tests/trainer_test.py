@@ -10,6 +10,7 @@ drain in its checkpoint, and continues from it bit for bit.
 
 import json
 import pathlib
+import platform
 import sys
 
 import jax
@@ -137,6 +138,11 @@ def test_pipedream_writes_the_drained_weights(tmp_path, oracle):
   np.testing.assert_allclose(
       (summary["test_loss"], summary["test_accuracy"]),
       _unpipelined(parts, drained), rtol=2e-6)
+  # What computed it: records from two hosts may differ in the last digits.
+  assert (summary["host"]["jax"], summary["host"]["jaxlib"]) == (
+      jax.__version__, jax.lib.__version__)
+  assert summary["host"]["machine"] == platform.machine()
+  assert summary["host"]["cpu"]
   # One evaluation at the end: the drained weights'.
   records = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
   assert [r["step"] for r in records if "test_loss" in r] == [8]

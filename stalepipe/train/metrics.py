@@ -15,6 +15,7 @@ import datetime
 import json
 import math
 import os
+import platform
 import resource
 import time
 from typing import Any
@@ -244,6 +245,33 @@ def memory_bytes() -> dict[str, float]:
   if stats and "peak_bytes_in_use" in stats:
     out["device_peak_bytes"] = float(stats["peak_bytes_in_use"])
   return out
+
+
+def host() -> dict[str, str]:
+  """What computed the run: the CPU model and its vector extensions (Linux's
+  `/proc/cpuinfo`; elsewhere `platform.processor()` and none), the machine,
+  and the versions of Python, jax and jaxlib.
+
+  Runs of one config and code on two hosts may differ in the last digits
+  (XLA's CPU kernels follow the instruction set), and in a deep asynchronous
+  pipeline such a difference grows with the steps; this tells a reader which
+  records came from which host.
+  """
+  info = {}
+  try:
+    with open("/proc/cpuinfo") as f:
+      for line in f:
+        key, _, value = line.partition(":")
+        info.setdefault(key.strip(), value.strip())
+  except OSError:
+    pass
+  vector = [flag for flag in info.get("flags", "").split()
+            if flag.startswith(("avx", "fma", "amx", "sse4"))]
+  return {"cpu": info.get("model name", platform.processor()),
+          "cpu_vector_extensions": " ".join(vector),
+          "machine": platform.machine(),
+          "python": platform.python_version(), "jax": jax.__version__,
+          "jaxlib": jax.lib.__version__}
 
 
 def tree_bytes(tree: Any) -> float:

@@ -349,6 +349,7 @@ def _summary(parts, workdir, end, first, ckpt, writer, throughput,
       "bubble": parts.schedule.bubble_fraction,
       "state_bytes": metrics_lib.tree_bytes(end.state),
       **metrics_lib.memory_bytes(), "device": str(jax.devices()[0]),
+      "host": metrics_lib.host(),
       "num_devices": jax.device_count(),
       "num_processes": jax.process_count()}
   params = pipe.params(end.state)  # collective: every process takes part
